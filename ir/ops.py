@@ -35,6 +35,9 @@ class Op:
 
     name: ClassVar[str] = ""
     num_outputs: ClassVar[int] = 1
+    # The reference semantics; None means `k3mk.ir.semantics.<name>`. Ops defined outside ops.py
+    # (fused forms, collectives) set it to their own function.
+    semantics_fn: ClassVar[Any] = None
     variadic: ClassVar[bool] = False  # True: the leading inputs are one list operand (attn_res sources)
 
     def attributes(self) -> tuple[Any, ...]:
@@ -42,7 +45,7 @@ class Op:
 
     def evaluate(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Reference semantics: the function of the same name in ir/semantics.py."""
-        fn = getattr(semantics, self.name)
+        fn = type(self).semantics_fn or getattr(semantics, self.name)
         args: tuple[Any, ...] = inputs
         if self.variadic:
             n = self.num_list_inputs(len(inputs))
@@ -59,45 +62,49 @@ class Op:
         return f"{self.name}({attrs})" if attrs else self.name
 
 
-def _op(name: str, num_outputs: int = 1):
+def op(name: str, num_outputs: int = 1, semantics_fn: Any = None):
+    """Class decorator that makes `cls` a frozen dataclass op of kind `name` and registers it."""
+
     def wrap(cls):
         cls.name = name
         cls.num_outputs = num_outputs
+        if semantics_fn is not None:
+            cls.semantics_fn = staticmethod(semantics_fn)
         return register(dataclass(frozen=True)(cls))
 
     return wrap
 
 
-@_op("embedding")
+@op("embedding")
 class Embedding(Op):
     """(table [V, d], ids [B]) -> [B, d]"""
 
 
-@_op("rmsnorm")
+@op("rmsnorm")
 class RMSNorm(Op):
     """(x [B, n], weight [n]) -> [B, n]"""
 
     eps: float
 
 
-@_op("linear")
+@op("linear")
 class Linear(Op):
     """(x [B, in], weight [out, in]) -> [B, out]; fp32: compute and return fp32 (router logits)."""
 
     fp32: bool
 
 
-@_op("add")
+@op("add")
 class Add(Op):
     """(a, b) -> a + b in a's dtype."""
 
 
-@_op("silu_mul")
+@op("silu_mul")
 class SiluMul(Op):
     """(gate, up) -> silu(gate) * up"""
 
 
-@_op("situ_mul")
+@op("situ_mul")
 class SituMul(Op):
     """(gate, up) -> SiTU(gate) * clamp(up), fp32 inside."""
 
@@ -105,12 +112,12 @@ class SituMul(Op):
     linear_beta: float | None
 
 
-@_op("kda_conv", num_outputs=4)
+@op("kda_conv", num_outputs=4)
 class KDAConv(Op):
     """(q, k, v [B, P], state [B, W-1, 3P], wq, wk, wv [P, 1, W]) -> (q', k', v', state')"""
 
 
-@_op("kda_gate")
+@op("kda_gate")
 class KDAGate(Op):
     """(f [B, P], A_log [H], dt_bias [P]) -> g [B, H, D] fp32"""
 
@@ -118,12 +125,12 @@ class KDAGate(Op):
     lower_bound: float | None
 
 
-@_op("kda_recurrence", num_outputs=2)
+@op("kda_recurrence", num_outputs=2)
 class KDARecurrence(Op):
     """(q, k, v [B, P], g [B, H, D], beta_logits [B, H], state [B, H, V, K]) -> (o [B, P], state')"""
 
 
-@_op("gated_rmsnorm")
+@op("gated_rmsnorm")
 class GatedRMSNorm(Op):
     """(x [B, P], gate [B, P], weight [D]) -> [B, P]"""
 
@@ -131,12 +138,12 @@ class GatedRMSNorm(Op):
     eps: float
 
 
-@_op("sigmoid_gate")
+@op("sigmoid_gate")
 class SigmoidGate(Op):
     """(x, gate) -> x * sigmoid(gate)"""
 
 
-@_op("mla_latent")
+@op("mla_latent")
 class MLALatent(Op):
     """(c [B, rank + rope], weight [rank]) -> cache row [B, rank + rope]"""
 
@@ -144,12 +151,12 @@ class MLALatent(Op):
     eps: float
 
 
-@_op("mla_cache_write")
+@op("mla_cache_write")
 class MLACacheWrite(Op):
     """(cache [B, T, C], row [B, C], positions [B]) -> cache'"""
 
 
-@_op("mla_attention")
+@op("mla_attention")
 class MLAAttention(Op):
     """(q [B, H*(nope+rope)], cache [B, T, C], positions [B], kv_b [H*(nope+v), rank]) -> [B, H*v]"""
 
@@ -160,7 +167,7 @@ class MLAAttention(Op):
     kv_lora_rank: int
 
 
-@_op("router_topk", num_outputs=2)
+@op("router_topk", num_outputs=2)
 class RouterTopK(Op):
     """(logits [B, E] fp32, bias [E]) -> (ids [B, k] int32, weights [B, k] fp32)"""
 
@@ -169,22 +176,22 @@ class RouterTopK(Op):
     scaling: float
 
 
-@_op("expert_linear")
+@op("expert_linear")
 class ExpertLinear(Op):
     """(x [B, in] or [B, k, in], weight [E, out, in], ids [B, k]) -> [B, k, out]"""
 
 
-@_op("expert_linear_mxfp4")
+@op("expert_linear_mxfp4")
 class ExpertLinearMXFP4(Op):
     """(x, packed [E, out, in/2] u8, scale [E, out, in/32] u8, ids [B, k]) -> [B, k, out]"""
 
 
-@_op("moe_combine")
+@op("moe_combine")
 class MoECombine(Op):
     """(y [B, k, n], weights [B, k]) -> [B, n]"""
 
 
-@_op("attn_res")
+@op("attn_res")
 class AttnRes(Op):
     """(*sources [B, d], norm_weight [d], proj_weight [1, d]) -> [B, d]"""
 
@@ -195,7 +202,7 @@ class AttnRes(Op):
         return total - 2
 
 
-@_op("argmax")
+@op("argmax")
 class Argmax(Op):
     """(logits [B, V]) -> [B] int32"""
 
