@@ -1,2 +1,12 @@
 """Loads a compiled artifact and runs it: manifest validation, module load and launch through
-cuda-bindings, weight binding, decode state. Imports neither CuTe DSL nor the compiler packages."""
+cuda-bindings, weight binding, decode state. Imports neither CuTe DSL nor the compiler packages
+(tests/runtime/test_import_isolation.py).
+
+    from k3mk.runtime import Megakernel
+    mk = Megakernel("artifacts/kimi-linear-sm_90a"); mk.bind_weights(...); mk.step()
+"""
+
+from k3mk.runtime.manifest import ArtifactError, load_manifest
+from k3mk.runtime.megakernel import Megakernel, WatchdogError
+
+__all__ = ["ArtifactError", "Megakernel", "WatchdogError", "load_manifest"]

@@ -1,0 +1,55 @@
+"""Render the megakernel's CuTe DSL source for a task table's op variants.
+
+The kernel depends only on the variants (and the KernelConfig), not on the tasks: a table with the
+same variants but other tasks, events or SM lists runs on the same cubin.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import jinja2
+
+from k3mk.codegen.ops import OP_CODEGEN, KernelConfig, VariantCode, smem_bytes, variant_code
+from k3mk.ir import task_table as tt
+from k3mk.ir.task_table import OpVariant
+from k3mk.runtime import abi
+
+TEMPLATES = Path(__file__).parent / "templates"
+SCRATCH_BYTES = 1024  # the fp32 / int32 reduction scratch beside the op smem, with alignment slack
+
+_ENV = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+    undefined=jinja2.StrictUndefined,
+    trim_blocks=True,
+    lstrip_blocks=True,
+    keep_trailing_newline=True,
+)
+
+
+def dynamic_smem_bytes(variants: list[OpVariant]) -> int:
+    """What the launch must pass as dynamic shared memory (op smem + scratch)."""
+    return smem_bytes(variants) + SCRATCH_BYTES
+
+
+def emit_source(variants: list[OpVariant], config: KernelConfig = KernelConfig()) -> str:
+    if not variants:
+        raise ValueError("a kernel needs at least one op variant")
+    if config.threads % 32 or not 64 <= config.threads <= 1024:
+        raise ValueError(f"threads {config.threads} must be a multiple of 32 in [64, 1024]")
+    codes: list[VariantCode] = [variant_code(i, v, config) for i, v in enumerate(variants)]
+    op_sources = [
+        _ENV.get_template(OP_CODEGEN[c.op].template).render(v=c, p=c.p, kc=config).rstrip() + "\n" for c in codes
+    ]
+    helpers = _ENV.get_template("helpers.py.j2").render(kc=config).rstrip() + "\n"
+    return _ENV.get_template("megakernel.py.j2").render(
+        kc=config,
+        variants=codes,
+        op_sources=op_sources,
+        helpers=helpers,
+        smem_bytes=smem_bytes(variants),
+        dynamic_smem_bytes=dynamic_smem_bytes(variants),
+        tt=SimpleNamespace(**{k: getattr(tt, k) for k in dir(tt) if k.isupper()}),
+        abi=abi,
+    )

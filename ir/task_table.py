@@ -1,0 +1,436 @@
+"""The task table: the binary contract between the scheduler passes and the megakernel.
+
+The megakernel (DESIGN.md, "The megakernel execution model") runs one CTA per SM; CTA `s` walks
+list `s` of this table in order. A task is an opcode (an index into the table's op VARIANTS: an
+op kind plus its compile-time constants, one specialised op body each) plus operand words (arena
+byte offsets, weight ids, tile coordinates), the events it waits on and the event it signals.
+
+Events are 64-bit counters in device memory, monotonic across steps: during step `e` (1-based,
+`e = completed steps + 1`) a wait on event `v` is satisfied when `counter[v] >= count[v] * e`, where
+`count[v]` is the number of tasks that signal `v` once per step. Counts are derived here from the
+signalling tasks, never written by hand (a miscounted arrival is a hang). docs/task_table.md
+describes the byte layout; `encode` / `decode` are its only reader and writer in Python.
+
+Pure Python (struct + json): importable without torch or CuTe DSL, by the passes, the codegen and
+the runtime alike.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections import deque
+from dataclasses import asdict, dataclass, field, fields
+from types import MappingProxyType
+from typing import Any, Mapping
+
+FORMAT_VERSION = 1
+MAGIC = 0x5454334B  # b"K3TT" little-endian
+HEADER_WORDS = 16
+TASK_WORDS = 32  # 128 bytes per task
+TASK_HEADER_WORDS = 8
+MAX_OPERANDS = TASK_WORDS - TASK_HEADER_WORDS  # 24
+NO_EVENT = -1
+ARENA_ALIGN = 16  # every arena offset an op vector-loads from is 16-byte aligned
+
+# Task header word indices (device code reads these; keep in sync with codegen/templates).
+W_OPCODE, W_WAIT0, W_COUNT0, W_WAIT1, W_COUNT1, W_SIGNAL, W_FLAGS, W_RESERVED = range(TASK_HEADER_WORDS)
+
+# File header word indices.
+H_MAGIC, H_VERSION, H_HEADER_WORDS, H_TASK_WORDS = 0, 1, 2, 3
+H_NUM_LISTS, H_NUM_TASKS, H_NUM_EVENTS, H_NUM_VARIANTS = 4, 5, 6, 7
+H_LISTS_OFFSET, H_TASKS_OFFSET, H_EVENTS_OFFSET, H_DEVICE_WORDS = 8, 9, 10, 11
+H_META_BYTES = 12
+
+
+class TaskTableError(ValueError):
+    """A task table that breaks the format or its invariants."""
+
+
+# --------------------------------------------------------------------------------------------
+# Op kinds: compile-time constants (typed records) and the names of their operand words.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GemvParams:
+    """y[b, r] = sum_k W[r, k] * xn[b, k] for rows r of one tile; bf16 in/out, fp32 accumulate.
+
+    rmsnorm: xn = rmsnorm(x, norm_weight, eps) computed in the task (semantics.rmsnorm).
+    residual: y = bf16(y) + residual[b, r] (semantics.add). Strides are in elements."""
+
+    in_features: int
+    out_features: int
+    batch: int
+    rmsnorm: bool = False
+    residual: bool = False
+    eps: float = 1e-6
+    x_stride: int = 0  # 0: in_features
+    out_stride: int = 0  # 0: out_features
+    residual_stride: int = 0  # 0: out_features
+
+
+@dataclass(frozen=True)
+class RmsnormParams:
+    """out[b] = rmsnorm(x[b], weight, eps) for rows b of [batch_begin, batch_begin + batch_count)."""
+
+    dim: int
+    batch: int
+    eps: float = 1e-6
+
+
+@dataclass(frozen=True)
+class EmbeddingParams:
+    """out[b] = table[ids[b]]; ids int32 [batch] in the arena, table [vocab, dim] bf16."""
+
+    dim: int
+    vocab: int
+    batch: int
+
+
+@dataclass(frozen=True)
+class ArgmaxParams:
+    """out[b] = argmax(logits[b]) (lowest index on ties), int32; logits [batch, vocab] bf16 or fp32."""
+
+    vocab: int
+    batch: int
+    dtype: str = "bfloat16"  # or "float32"
+
+
+@dataclass(frozen=True)
+class AddParams:
+    """out[i] = a[i] + b[i] over elements [begin, begin + count) of bf16 vectors."""
+
+    dtype: str = "bfloat16"
+
+
+@dataclass(frozen=True)
+class NopParams:
+    """Does nothing but wait and signal (tests, padding, pure join points)."""
+
+
+@dataclass(frozen=True)
+class OpKind:
+    name: str
+    params: type
+    operands: tuple[str, ...]  # operand word k+TASK_HEADER_WORDS holds operands[k]
+
+
+OP_KINDS: Mapping[str, OpKind] = MappingProxyType(
+    {
+        k.name: k
+        for k in (
+            OpKind("nop", NopParams, ()),
+            OpKind("gemv", GemvParams, ("x", "out", "weight", "row_begin", "row_count", "residual", "norm_weight")),
+            OpKind("rmsnorm", RmsnormParams, ("x", "out", "weight", "batch_begin", "batch_count")),
+            OpKind("embedding", EmbeddingParams, ("ids", "out", "table")),
+            OpKind("argmax", ArgmaxParams, ("logits", "out", "batch_begin", "batch_count")),
+            OpKind("add", AddParams, ("a", "b", "out", "begin", "count")),
+        )
+    }
+)
+# Operands that are arena byte offsets (checked for range and alignment by validate()).
+ARENA_OPERANDS = frozenset({"x", "out", "residual", "ids", "logits", "a", "b"})
+WEIGHT_OPERANDS = frozenset({"weight", "norm_weight", "table"})
+
+
+@dataclass(frozen=True)
+class OpVariant:
+    """One specialised op body: an op kind and its compile-time constants. Opcode = its index."""
+
+    op: str
+    params: Any  # an instance of OP_KINDS[op].params
+
+    def __post_init__(self) -> None:
+        kind = OP_KINDS.get(self.op)
+        if kind is None:
+            raise TaskTableError(f"unknown op kind {self.op!r}; known: {sorted(OP_KINDS)}")
+        if not isinstance(self.params, kind.params):
+            raise TaskTableError(f"variant {self.op!r} needs {kind.params.__name__}, got {type(self.params).__name__}")
+
+    def to_json(self) -> dict:
+        return {"op": self.op, "params": asdict(self.params)}
+
+    @staticmethod
+    def from_json(d: dict) -> "OpVariant":
+        kind = OP_KINDS.get(d["op"])
+        if kind is None:
+            raise TaskTableError(f"unknown op kind {d['op']!r}")
+        names = {f.name for f in fields(kind.params)}
+        extra = set(d["params"]) - names
+        if extra:
+            raise TaskTableError(f"variant {d['op']!r}: unknown params {sorted(extra)}")
+        return OpVariant(d["op"], kind.params(**d["params"]))
+
+
+# --------------------------------------------------------------------------------------------
+# Table contents
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Event:
+    """A 64-bit counter; `name` is for humans (watchdog reports, dumps)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task. `operands` maps the op kind's operand names to int32 values; missing ones are 0
+    (zeros are dropped, so a decoded task equals the one encoded)."""
+
+    opcode: int
+    operands: Mapping[str, int] = field(default_factory=dict)
+    wait: tuple[int, ...] = ()  # at most 2 event ids
+    signal: int | None = None
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "operands", MappingProxyType({k: v for k, v in self.operands.items() if v != 0}))
+        object.__setattr__(self, "wait", tuple(self.wait))
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """Entry `id` of the weight pointer table: bound by name at load time."""
+
+    name: str
+    dtype: str  # torch dtype name: "bfloat16", "float32", "uint8"
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """A named region of the activation arena (inputs the runtime fills, outputs it reads)."""
+
+    name: str
+    offset: int  # bytes
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_BYTES[self.dtype]
+        for s in self.shape:
+            n *= s
+        return n
+
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4, "int64": 8, "uint8": 1}
+
+
+@dataclass
+class TaskTable:
+    variants: list[OpVariant]
+    lists: list[list[Task]]  # lists[s] = program order of CTA s; len(lists) = CTAs launched
+    events: list[Event]
+    weights: list[WeightSpec] = field(default_factory=list)
+    buffers: list[BufferSpec] = field(default_factory=list)
+    arena_bytes: int = 0
+
+    # ---- derived ------------------------------------------------------------------------
+    @property
+    def num_tasks(self) -> int:
+        return sum(len(l) for l in self.lists)
+
+    def event_counts(self) -> list[int]:
+        """Signals per step of every event (its expected count)."""
+        counts = [0] * len(self.events)
+        for tasks in self.lists:
+            for t in tasks:
+                if t.signal is not None and 0 <= t.signal < len(counts):
+                    counts[t.signal] += 1
+        return counts
+
+    def buffer(self, name: str) -> BufferSpec:
+        for b in self.buffers:
+            if b.name == name:
+                return b
+        raise KeyError(name)
+
+    # ---- validation -----------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise TaskTableError on any broken invariant, including a possible deadlock."""
+        if not self.lists:
+            raise TaskTableError("a task table needs at least one list")
+        counts = self.event_counts()
+        for v in self.variants:
+            OpVariant(v.op, v.params)  # re-checks the kind
+        for b in self.buffers:
+            if b.dtype not in DTYPE_BYTES:
+                raise TaskTableError(f"buffer {b.name!r}: unknown dtype {b.dtype!r}")
+            if b.offset % ARENA_ALIGN or b.offset < 0 or b.offset + b.nbytes > self.arena_bytes:
+                raise TaskTableError(f"buffer {b.name!r} [{b.offset}, +{b.nbytes}) outside arena {self.arena_bytes} or unaligned")
+        for s, tasks in enumerate(self.lists):
+            for i, t in enumerate(tasks):
+                where = f"list {s} task {i} ({t.label or 'unlabelled'})"
+                if not 0 <= t.opcode < len(self.variants):
+                    raise TaskTableError(f"{where}: opcode {t.opcode} out of range ({len(self.variants)} variants)")
+                kind = OP_KINDS[self.variants[t.opcode].op]
+                unknown = set(t.operands) - set(kind.operands)
+                if unknown:
+                    raise TaskTableError(f"{where}: operands {sorted(unknown)} not in {kind.name}{kind.operands}")
+                for name, value in t.operands.items():
+                    if not -(2**31) <= value < 2**31:
+                        raise TaskTableError(f"{where}: operand {name}={value} is not an int32")
+                    if name in ARENA_OPERANDS and (value < 0 or value >= max(self.arena_bytes, 1) or value % ARENA_ALIGN):
+                        raise TaskTableError(f"{where}: arena offset {name}={value} out of range or not {ARENA_ALIGN}-aligned")
+                    if name in WEIGHT_OPERANDS and not 0 <= value < len(self.weights):
+                        raise TaskTableError(f"{where}: weight id {name}={value} out of range ({len(self.weights)} weights)")
+                if len(t.wait) > 2:
+                    raise TaskTableError(f"{where}: at most 2 waits, got {len(t.wait)}")
+                for e in (*t.wait, *(() if t.signal is None else (t.signal,))):
+                    if not 0 <= e < len(self.events):
+                        raise TaskTableError(f"{where}: event {e} out of range ({len(self.events)} events)")
+                for e in t.wait:
+                    if counts[e] == 0:
+                        raise TaskTableError(f"{where}: waits on event {e} ({self.events[e].name}) that no task signals")
+        self.check_deadlock_free()
+
+    def check_deadlock_free(self) -> None:
+        """Execute one step abstractly: each CTA runs its list in order, a task starts once all its
+        waited events reached their per-step count. Every task must run (with every CTA resident)."""
+        counts = self.event_counts()
+        seen = [0] * len(self.events)
+        pos = [0] * len(self.lists)
+        ready = deque(range(len(self.lists)))
+        blocked: dict[int, list[int]] = {}  # event -> CTAs blocked on it
+        while ready:
+            s = ready.popleft()
+            tasks = self.lists[s]
+            while pos[s] < len(tasks):
+                t = tasks[pos[s]]
+                missing = [e for e in t.wait if seen[e] < counts[e]]
+                if missing:
+                    blocked.setdefault(missing[0], []).append(s)
+                    break
+                if t.signal is not None:
+                    seen[t.signal] += 1
+                    if seen[t.signal] == counts[t.signal]:
+                        ready.extend(blocked.pop(t.signal, []))
+                pos[s] += 1
+        stuck = [(s, pos[s]) for s in range(len(self.lists)) if pos[s] < len(self.lists[s])]
+        if stuck:
+            s, i = stuck[0]
+            t = self.lists[s][i]
+            waits = ", ".join(f"{e} ({self.events[e].name}: {seen[e]}/{counts[e]})" for e in t.wait)
+            raise TaskTableError(f"deadlock: {len(stuck)} CTAs stuck, e.g. list {s} task {i} ({t.label}) waiting on {waits}")
+
+    # ---- binary form ----------------------------------------------------------------------
+    def encode(self, check: bool = True) -> bytes:
+        """The file: device part (header, list offsets, tasks, event counts; int32 LE) + JSON metadata.
+        `check=False` skips validate() (planted-fault tests only: a table that deadlocks on purpose)."""
+        if check:
+            self.validate()
+        counts = self.event_counts()
+        num_lists, num_tasks, num_events = len(self.lists), self.num_tasks, len(self.events)
+        lists_offset = HEADER_WORDS
+        tasks_offset = _align(lists_offset + num_lists + 1, TASK_WORDS)  # 128-byte aligned tasks
+        events_offset = tasks_offset + num_tasks * TASK_WORDS
+        device_words = _align(events_offset + num_events, TASK_WORDS)
+        words = [0] * device_words
+        meta = json.dumps(self._meta_json(), separators=(",", ":"), sort_keys=True).encode()
+        header = {
+            H_MAGIC: MAGIC, H_VERSION: FORMAT_VERSION, H_HEADER_WORDS: HEADER_WORDS, H_TASK_WORDS: TASK_WORDS,
+            H_NUM_LISTS: num_lists, H_NUM_TASKS: num_tasks, H_NUM_EVENTS: num_events,
+            H_NUM_VARIANTS: len(self.variants), H_LISTS_OFFSET: lists_offset, H_TASKS_OFFSET: tasks_offset,
+            H_EVENTS_OFFSET: events_offset, H_DEVICE_WORDS: device_words, H_META_BYTES: len(meta),
+        }  # fmt: skip
+        for k, v in header.items():
+            words[k] = v
+        n = 0
+        for s, tasks in enumerate(self.lists):
+            words[lists_offset + s] = n
+            for t in tasks:
+                base = tasks_offset + n * TASK_WORDS
+                words[base : base + TASK_WORDS] = self._task_words(t, counts)
+                n += 1
+        words[lists_offset + num_lists] = n
+        words[events_offset : events_offset + num_events] = counts
+        return struct.pack(f"<{device_words}i", *words) + meta
+
+    def _task_words(self, t: Task, counts: list[int]) -> list[int]:
+        w = [0] * TASK_WORDS
+        waits = list(t.wait) + [NO_EVENT] * (2 - len(t.wait))
+        w[W_OPCODE] = t.opcode
+        w[W_WAIT0], w[W_COUNT0] = waits[0], (counts[waits[0]] if waits[0] >= 0 else 0)
+        w[W_WAIT1], w[W_COUNT1] = waits[1], (counts[waits[1]] if waits[1] >= 0 else 0)
+        w[W_SIGNAL] = NO_EVENT if t.signal is None else t.signal
+        names = OP_KINDS[self.variants[t.opcode].op].operands
+        for k, name in enumerate(names):
+            w[TASK_HEADER_WORDS + k] = t.operands.get(name, 0)
+        return w
+
+    def _meta_json(self) -> dict:
+        return {
+            "format_version": FORMAT_VERSION,
+            "variants": [v.to_json() for v in self.variants],
+            "events": [e.name for e in self.events],
+            "labels": [[t.label for t in tasks] for tasks in self.lists],
+            "weights": [asdict(w) for w in self.weights],
+            "buffers": [asdict(b) for b in self.buffers],
+            "arena_bytes": self.arena_bytes,
+        }
+
+    @staticmethod
+    def decode(data: bytes) -> "TaskTable":
+        if len(data) < HEADER_WORDS * 4:
+            raise TaskTableError("task table too short")
+        hdr = struct.unpack_from(f"<{HEADER_WORDS}i", data)
+        if hdr[H_MAGIC] != MAGIC:
+            raise TaskTableError(f"bad magic {hdr[H_MAGIC]:#x}: not a k3mk task table")
+        if hdr[H_VERSION] != FORMAT_VERSION:
+            raise TaskTableError(f"task table format {hdr[H_VERSION]}, this k3mk reads {FORMAT_VERSION}")
+        if hdr[H_TASK_WORDS] != TASK_WORDS or hdr[H_HEADER_WORDS] != HEADER_WORDS:
+            raise TaskTableError("task table word sizes do not match this format version")
+        device_words = hdr[H_DEVICE_WORDS]
+        if len(data) != device_words * 4 + hdr[H_META_BYTES]:
+            raise TaskTableError("task table length does not match its header")
+        words = struct.unpack_from(f"<{device_words}i", data)
+        meta = json.loads(data[device_words * 4 :].decode())
+        variants = [OpVariant.from_json(v) for v in meta["variants"]]
+        events = [Event(n) for n in meta["events"]]
+        lo, to = hdr[H_LISTS_OFFSET], hdr[H_TASKS_OFFSET]
+        lists: list[list[Task]] = []
+        for s in range(hdr[H_NUM_LISTS]):
+            tasks = []
+            for j, i in enumerate(range(words[lo + s], words[lo + s + 1])):
+                w = words[to + i * TASK_WORDS : to + (i + 1) * TASK_WORDS]
+                names = OP_KINDS[variants[w[W_OPCODE]].op].operands
+                ops = {n: w[TASK_HEADER_WORDS + k] for k, n in enumerate(names)}
+                waits = tuple(e for e in (w[W_WAIT0], w[W_WAIT1]) if e != NO_EVENT)
+                signal = None if w[W_SIGNAL] == NO_EVENT else w[W_SIGNAL]
+                tasks.append(Task(w[W_OPCODE], ops, waits, signal, meta["labels"][s][j]))
+            lists.append(tasks)
+        table = TaskTable(
+            variants=variants,
+            lists=lists,
+            events=events,
+            weights=[WeightSpec(w["name"], w["dtype"], tuple(w["shape"])) for w in meta["weights"]],
+            buffers=[BufferSpec(b["name"], b["offset"], b["dtype"], tuple(b["shape"])) for b in meta["buffers"]],
+            arena_bytes=meta["arena_bytes"],
+        )
+        eo = hdr[H_EVENTS_OFFSET]
+        if list(words[eo : eo + hdr[H_NUM_EVENTS]]) != table.event_counts():
+            raise TaskTableError("stored event counts disagree with the tasks")
+        return table
+
+
+def device_part(data: bytes) -> tuple[bytes, int, int]:
+    """(the bytes to upload, word offset of the list offsets, word offset of the tasks)."""
+    hdr = struct.unpack_from(f"<{HEADER_WORDS}i", data)
+    if hdr[H_MAGIC] != MAGIC or hdr[H_VERSION] != FORMAT_VERSION:
+        raise TaskTableError("not a k3mk task table of this format version")
+    return data[: hdr[H_DEVICE_WORDS] * 4], hdr[H_LISTS_OFFSET], hdr[H_TASKS_OFFSET]
+
+
+def read_header(data: bytes) -> dict[str, int]:
+    hdr = struct.unpack_from(f"<{HEADER_WORDS}i", data)
+    names = ("magic", "version", "header_words", "task_words", "num_lists", "num_tasks", "num_events",
+             "num_variants", "lists_offset", "tasks_offset", "events_offset", "device_words", "meta_bytes")  # fmt: skip
+    return dict(zip(names, hdr))
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a

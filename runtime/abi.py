@@ -1,0 +1,53 @@
+"""The megakernel's launch ABI: the single source of truth for the kernel parameters, the control
+words and the watchdog records. The code generator imports this module (never the reverse), and
+every artifact's manifest repeats it so a loader can check that it packs what the kernel expects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ABI_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    kind: str  # "ptr" (a u64 global pointer) or "i32"
+    dtype: str = ""  # element type of a pointer (torch dtype name)
+    align: int = 0  # alignment the kernel assumes, bytes
+
+    @property
+    def cute_dtype(self) -> str:
+        return {"int32": "Int32", "int64": "Int64", "uint8": "Uint8"}[self.dtype]
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "dtype": self.dtype, "align": self.align}
+
+
+# Order = the kernel's parameter order (.param 0..8 in the PTX).
+PARAMS: tuple[Param, ...] = (
+    Param("lists", "ptr", "int32", 4),  # task table device part + 4 * lists_offset
+    Param("tasks", "ptr", "int32", 16),  # task table device part + 4 * tasks_offset
+    Param("events", "ptr", "int64", 8),  # int64[num_events], monotonic counters
+    Param("control", "ptr", "int64", 8),  # int64[CONTROL_WORDS]
+    Param("arena", "ptr", "uint8", 16),  # activation arena
+    Param("weights", "ptr", "int64", 8),  # int64[num_weights]: device pointers
+    Param("debug", "ptr", "int64", 8),  # int64[num_ctas * DEBUG_WORDS] watchdog records
+    Param("num_ctas", "i32"),  # grid size = number of task lists
+    Param("watchdog_us", "i32"),  # debug builds: a wait longer than this aborts the step
+)
+
+CONTROL_WORDS = 8
+C_EPOCH = 0  # completed steps; the kernel runs step C_EPOCH + 1
+C_EXITS = 1  # CTA exits ever (last-CTA-out: exits == num_ctas * step advances C_EPOCH)
+C_ABORT = 2  # number of watchdogs fired (debug builds)
+
+DEBUG_WORDS = 8  # per CTA: status, smid, task index in list, event, target, counter, epoch, opcode
+DEBUG_FIELDS = ("status", "smid", "task", "event", "target", "counter", "epoch", "opcode")
+STATUS_TIMED_OUT = 1  # this CTA's wait exceeded watchdog_us
+STATUS_ABORTED = 2  # this CTA stopped because another's watchdog fired
+
+
+def params_json() -> list[dict]:
+    return [p.to_json() for p in PARAMS]

@@ -1,0 +1,79 @@
+"""Read an artifact's manifest.json and check it against this runtime and the device, with errors
+that say what to rebuild."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from k3mk.runtime import abi
+from k3mk.runtime.table import FORMAT_VERSION
+
+MANIFEST_VERSION = 1
+ARCH_OF_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
+
+
+class ArtifactError(RuntimeError):
+    """An artifact this runtime or this device cannot run."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    path: Path  # the artifact directory
+    data: dict
+
+    def __getitem__(self, key: str):
+        return self.data[key]
+
+    def file(self, role: str) -> Path:
+        return self.path / self.data["files"][role]
+
+    def read_file(self, role: str) -> bytes:
+        """The file's bytes, checked against the hash the build recorded."""
+        blob = self.file(role).read_bytes()
+        want = self.data.get("files_sha256", {}).get(role)
+        if want is not None and hashlib.sha256(blob).hexdigest() != want:
+            raise ArtifactError(f"{self.file(role)} does not match the hash in its manifest: rebuild the artifact")
+        return blob
+
+
+def load_manifest(artifact_dir: str | Path) -> Manifest:
+    path = Path(artifact_dir)
+    try:
+        data = json.loads((path / "manifest.json").read_text())
+    except FileNotFoundError:
+        raise ArtifactError(f"{path} has no manifest.json: not a k3mk artifact, or its build did not finish") from None
+    m = Manifest(path, data)
+    check_versions(m)
+    return m
+
+
+def check_versions(m: Manifest) -> None:
+    if m.data.get("manifest_version") != MANIFEST_VERSION:
+        raise ArtifactError(f"manifest version {m.data.get('manifest_version')}; this runtime reads {MANIFEST_VERSION}")
+    if m["task_table_format"] != FORMAT_VERSION:
+        raise ArtifactError(f"task table format {m['task_table_format']}; this runtime reads {FORMAT_VERSION}")
+    if m["abi_version"] != abi.ABI_VERSION or m["params"] != abi.params_json():
+        raise ArtifactError(
+            f"kernel parameter ABI {m['abi_version']} {[p['name'] for p in m['params']]} differs from this "
+            f"runtime's {abi.ABI_VERSION} {[p.name for p in abi.PARAMS]}: rebuild with this k3mk"
+        )
+    if m["control_words"] != abi.CONTROL_WORDS or m["debug_words_per_cta"] != abi.DEBUG_WORDS:
+        raise ArtifactError("control / debug word counts differ from this runtime's: rebuild with this k3mk")
+
+
+def check_device(m: Manifest, capability: tuple[int, int], sm_count: int, name: str = "this GPU") -> None:
+    """The artifact runs only on its arch, and needs one co-resident CTA per task list."""
+    arch = ARCH_OF_CAPABILITY.get(tuple(capability))
+    if arch != m["arch"]:
+        raise ArtifactError(
+            f"artifact built for {m['arch']} (compute capability {tuple(m['compute_capability'])}), but {name} "
+            f"is compute capability {tuple(capability)} ({arch or 'unsupported'}): rebuild for that arch"
+        )
+    if m["num_ctas"] > sm_count:
+        raise ArtifactError(
+            f"artifact needs {m['num_ctas']} co-resident CTAs (one per task list) but {name} has {sm_count} SMs: "
+            f"rebuild with sm_count={sm_count}"
+        )

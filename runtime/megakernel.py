@@ -1,0 +1,158 @@
+"""Load an artifact and run decode steps: one cooperative launch per step on the current torch
+stream, capturable in a CUDA graph (every pointer is fixed at load; every per-step value lives in
+device memory; event counters are monotonic, so nothing is reset between steps).
+
+    mk = Megakernel(artifact_dir)               # checks manifest vs device, loads the cubin
+    mk.bind_weights({name: tensor, ...})        # by the names in the manifest's weight table
+    mk.buffer("x").copy_(...)                   # named regions of the activation arena
+    mk.step()                                   # one launch; in debug builds, mk.check() after it
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from k3mk.runtime import abi
+from k3mk.runtime.driver import Module, PackedParams, launch_cooperative
+from k3mk.runtime.manifest import ArtifactError, Manifest, check_device, load_manifest
+from k3mk.runtime.table import read_table
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "int32": torch.int32,
+          "int64": torch.int64, "uint8": torch.uint8}  # fmt: skip
+DEFAULT_WATCHDOG_US = 2_000_000
+
+
+class WatchdogError(RuntimeError):
+    """A debug build's wait outlived its bound: the step was aborted instead of hanging."""
+
+    def __init__(self, message: str, records: list[dict]):
+        super().__init__(message)
+        self.records = records
+
+
+class Megakernel:
+    def __init__(self, artifact_dir: str | Path, device: int | torch.device | None = None, poison_arena: bool = True):
+        self.manifest: Manifest = load_manifest(artifact_dir)
+        if device is None:
+            device = torch.cuda.current_device()
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        props = torch.cuda.get_device_properties(self.device)
+        check_device(self.manifest, (props.major, props.minor), props.multi_processor_count, props.name)
+        self.table = read_table(self.manifest.read_file("task_table"))
+        m = self.manifest
+        if self.table.num_lists != m["num_ctas"] or self.table.num_events != m["num_events"]:
+            raise ArtifactError("task table and manifest disagree on lists / events: rebuild the artifact")
+        self.num_ctas = m["num_ctas"]
+        self.threads = m["block_threads"]
+        self.smem = m["dynamic_smem_bytes"]
+        self.debug_build = bool(m["debug"])
+        torch.cuda.init()
+        with torch.cuda.device(self.device):
+            self.module = Module(m.read_file("cubin"), m["kernel_name"], self.device.index, self.smem)
+            if self.module.max_blocks_per_sm(self.threads, self.smem) < 1:
+                raise ArtifactError(f"the kernel cannot be resident with {self.threads} threads and {self.smem} B smem")
+        dev = self.device
+        self._table_words = torch.frombuffer(bytearray(self.table.device_bytes), dtype=torch.int32).to(dev)
+        self.events = torch.zeros(max(self.table.num_events, 1), dtype=torch.int64, device=dev)
+        self.control = torch.zeros(abi.CONTROL_WORDS, dtype=torch.int64, device=dev)
+        self.debug_records = torch.zeros(self.num_ctas * abi.DEBUG_WORDS, dtype=torch.int64, device=dev)
+        self.arena = torch.empty(max(m["arena_bytes"], 16), dtype=torch.uint8, device=dev)
+        if poison_arena:
+            self.arena.fill_(0xFF)  # bf16 NaN everywhere: an unwritten output never looks right
+        self.weight_specs = [(w["name"], w["dtype"], tuple(w["shape"])) for w in m["weights"]]
+        self.weight_table = torch.zeros(max(len(self.weight_specs), 1), dtype=torch.int64, device=dev)
+        self._weights: dict[str, torch.Tensor] = {}
+        self._buffers = {b["name"]: b for b in m["buffers"]}
+        self._params: dict[int, PackedParams] = {}
+
+    # ---- binding ---------------------------------------------------------------------------
+    def bind_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Bind weights by name (checked: dtype, shape, device, contiguous, 16-byte aligned). The
+        tensors are referenced, not copied: keep them alive and unchanged in place."""
+        index = {name: i for i, (name, _, _) in enumerate(self.weight_specs)}
+        unknown = set(weights) - set(index)
+        if unknown:
+            raise KeyError(f"weights not in this artifact: {sorted(unknown)}")
+        pointers = self.weight_table.cpu()
+        for name, tensor in weights.items():
+            _, dtype, shape = self.weight_specs[index[name]]
+            if tensor.dtype != DTYPES[dtype] or tuple(tensor.shape) != shape:
+                raise ValueError(f"weight {name!r}: expected {dtype}{list(shape)}, got {tensor.dtype}{list(tensor.shape)}")
+            if tensor.device != self.device or not tensor.is_contiguous() or tensor.data_ptr() % 16:
+                raise ValueError(f"weight {name!r} must be contiguous, 16-byte aligned, on {self.device}")
+            pointers[index[name]] = tensor.data_ptr()
+            self._weights[name] = tensor
+        self.weight_table.copy_(pointers)
+
+    def missing_weights(self) -> list[str]:
+        return [name for name, _, _ in self.weight_specs if name not in self._weights]
+
+    def buffer(self, name: str) -> torch.Tensor:
+        """A view of a named arena region, with its dtype and shape."""
+        b = self._buffers[name]
+        dtype = DTYPES[b["dtype"]]
+        count = 1
+        for s in b["shape"]:
+            count *= s
+        nbytes = count * dtype.itemsize
+        return self.arena[b["offset"] : b["offset"] + nbytes].view(dtype).view(b["shape"])
+
+    # ---- running ---------------------------------------------------------------------------
+    def _packed(self, watchdog_us: int) -> PackedParams:
+        if watchdog_us not in self._params:
+            values = {
+                "lists": self._table_words.data_ptr() + 4 * self.table.lists_offset,
+                "tasks": self._table_words.data_ptr() + 4 * self.table.tasks_offset,
+                "events": self.events.data_ptr(),
+                "control": self.control.data_ptr(),
+                "arena": self.arena.data_ptr(),
+                "weights": self.weight_table.data_ptr(),
+                "debug": self.debug_records.data_ptr(),
+                "num_ctas": self.num_ctas,
+                "watchdog_us": watchdog_us,
+            }
+            self._params[watchdog_us] = PackedParams([(p.kind, values[p.name]) for p in abi.PARAMS])
+        return self._params[watchdog_us]
+
+    def step(self, watchdog_us: int = DEFAULT_WATCHDOG_US) -> None:
+        """Exactly one kernel launch on the current torch stream (graph-capturable)."""
+        missing = self.missing_weights()
+        if missing:
+            raise RuntimeError(f"unbound weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self.module.make_current()
+        launch_cooperative(self.module.function, self.num_ctas, self.threads, self.smem, stream, self._packed(watchdog_us))
+
+    @property
+    def epoch(self) -> int:
+        """Completed steps (synchronises)."""
+        return int(self.control[abi.C_EPOCH].item())
+
+    def check(self) -> None:
+        """Raise WatchdogError if a debug build's watchdog fired (synchronises)."""
+        if int(self.control[abi.C_ABORT].item()) == 0:
+            return
+        raw = self.debug_records.view(self.num_ctas, abi.DEBUG_WORDS).cpu().tolist()
+        records = [dict(zip(abi.DEBUG_FIELDS, r), cta=cta) for cta, r in enumerate(raw) if r[0] != 0]
+        lines = []
+        for r in records:
+            what = "timed out" if r["status"] == abi.STATUS_TIMED_OUT else "aborted"
+            lines.append(
+                f"  CTA {r['cta']} (SM {r['smid']}) {what} at task {r['task']} '{self.table.label(r['cta'], r['task'])}' "
+                f"(opcode {r['opcode']}) waiting on event {r['event']} '{self.table.event_name(r['event'])}': "
+                f"counter {r['counter']} < target {r['target']} (step {r['epoch']})"
+            )
+        raise WatchdogError("megakernel watchdog fired; per-CTA state:\n" + "\n".join(lines), records)
+
+    def reset(self) -> None:
+        """Zero the event counters, control words and watchdog records (after an aborted step)."""
+        self.events.zero_()
+        self.control.zero_()
+        self.debug_records.zero_()
+
+    def close(self) -> None:
+        self.module.unload()

@@ -1,0 +1,85 @@
+"""The runtime without a GPU: it imports no compiler package, its task-table reader agrees with
+k3mk.ir.task_table, and manifests are checked against a device with clear errors."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from k3mk.ir import task_table as tt
+from k3mk.runtime import abi, table
+from k3mk.runtime.manifest import ArtifactError, Manifest, check_device, check_versions
+
+sys.path.insert(0, str(Path(__file__).parent))
+from megakernel_cases import all_cases  # noqa: E402
+
+
+def test_runtime_imports_no_compiler_package():
+    script = textwrap.dedent(
+        """
+        import importlib.abc, sys
+        BLOCKED = ("cutlass", "k3mk.compiler", "k3mk.ir", "k3mk.passes", "k3mk.codegen", "jinja2", "networkx")
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if any(name == b or name.startswith(b + ".") for b in BLOCKED):
+                    raise ImportError(f"the runtime imported {name}")
+        sys.meta_path.insert(0, Block())
+        import k3mk.runtime
+        from k3mk.runtime import Megakernel, WatchdogError, load_manifest
+        loaded = [m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in BLOCKED)]
+        assert not loaded, loaded
+        print("ok")
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
+def test_reader_constants_agree_with_the_format():
+    assert (table.FORMAT_VERSION, table.MAGIC, table.HEADER_WORDS, table.TASK_WORDS) == (
+        tt.FORMAT_VERSION, tt.MAGIC, tt.HEADER_WORDS, tt.TASK_WORDS)  # fmt: skip
+    for name in ("H_MAGIC", "H_VERSION", "H_NUM_LISTS", "H_NUM_TASKS", "H_NUM_EVENTS", "H_LISTS_OFFSET",
+                 "H_TASKS_OFFSET", "H_DEVICE_WORDS", "H_META_BYTES"):  # fmt: skip
+        assert getattr(table, name) == getattr(tt, name), name
+
+
+def test_reader_reads_an_encoded_table():
+    case = all_cases()["diamond"]
+    data = case.builder.table().encode()
+    loaded = table.read_table(data)
+    device, lists_offset, tasks_offset = tt.device_part(data)
+    assert (loaded.device_bytes, loaded.lists_offset, loaded.tasks_offset) == (device, lists_offset, tasks_offset)
+    assert (loaded.num_lists, loaded.num_events) == (8, 5)
+    assert loaded.label(0, 0) == "norm[0]" and loaded.event_name(1) == "gemv_a"
+    with pytest.raises(table.TaskTableFormatError, match="format 2"):
+        table.read_table(data[:4] + (2).to_bytes(4, "little") + data[8:])
+
+
+def manifest(**changes) -> Manifest:
+    data = {
+        "manifest_version": 1, "abi_version": abi.ABI_VERSION, "task_table_format": tt.FORMAT_VERSION,
+        "params": abi.params_json(), "control_words": abi.CONTROL_WORDS, "debug_words_per_cta": abi.DEBUG_WORDS,
+        "arch": "sm_90a", "compute_capability": [9, 0], "num_ctas": 132,
+    }  # fmt: skip
+    data.update(changes)
+    return Manifest(Path("/nowhere"), copy.deepcopy(data))
+
+
+def test_manifest_checks():
+    check_versions(manifest())
+    check_device(manifest(), (9, 0), 132)
+    with pytest.raises(ArtifactError, match=r"built for sm_90a .* compute capability \(10, 0\) \(sm_100a\)"):
+        check_device(manifest(), (10, 0), 148, "B200")
+    with pytest.raises(ArtifactError, match="needs 132 co-resident CTAs .* has 114 SMs"):
+        check_device(manifest(), (9, 0), 114)
+    with pytest.raises(ArtifactError, match="task table format 2"):
+        check_versions(manifest(task_table_format=2))
+    with pytest.raises(ArtifactError, match="parameter ABI"):
+        check_versions(manifest(params=abi.params_json()[:-1]))
+    with pytest.raises(ArtifactError, match="manifest version 7"):
+        check_versions(manifest(manifest_version=7))
