@@ -12,6 +12,7 @@ each with its semantics; a pass or the capture that meets a kind not in `OPS` fa
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -209,8 +210,15 @@ class Argmax(Op):
 
 def infer(op: Op, inputs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Output (shape, dtype) of `op` for inputs of the given (shape, dtype): the semantics run on meta."""
+    return list(_infer(op, tuple((tuple(shape), dtype) for shape, dtype in inputs)))
+
+
+@functools.lru_cache(maxsize=None)
+def _infer(op: Op, inputs: tuple) -> tuple:
+    # Cached: a 93-layer model repeats the same (op, operand types) thousands of times, and every
+    # pass re-verifies the whole graph.
     metas = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in inputs]
     outs = op.evaluate(*metas)
     if len(outs) != op.num_outputs:
         raise ValueError(f"{op.name}: semantics returned {len(outs)} results, the op declares {op.num_outputs}")
-    return [(tuple(o.shape), o.dtype) for o in outs]
+    return tuple((tuple(o.shape), o.dtype) for o in outs)
