@@ -14,12 +14,16 @@ from dataclasses import dataclass
 from typing import Callable
 
 from k3mk.ir.task_table import (
+    MAX_ATTN_RES_SOURCES,
     OP_KINDS,
     TASK_HEADER_WORDS,
     AddParams,
     ArgmaxParams,
+    AttnResParams,
     EmbeddingParams,
     GemvParams,
+    KdaConvParams,
+    KdaRecurrenceParams,
     OpVariant,
     RmsnormParams,
 )
@@ -76,6 +80,8 @@ def gemv_tuning(p: GemvParams, config: KernelConfig) -> GemvTuning:
         rows, unroll = 4, 8
     else:
         rows, unroll = 1, 4
+    if p.epilogue in GATED_EPILOGUES:
+        rows = max(1, rows // 2)  # two weight streams per row (gate and up): the same loads in flight
     rows = config.gemv_rows_per_warp or rows
     unroll = config.gemv_unroll or unroll
     prefetch_rows = -(-config.prefetch_bytes // (2 * p.in_features)) if config.prefetch_bytes > 0 else 0
@@ -108,14 +114,40 @@ def _check_batch(b: int) -> None:
     _require(1 <= b <= MAX_BATCH, f"batch {b} outside [1, {MAX_BATCH}]")
 
 
+GEMV_EPILOGUES = ("none", "silu_mul", "situ_mul", "sigmoid_gate", "kda_gate", "gated_rmsnorm")
+GATED_EPILOGUES = ("silu_mul", "situ_mul")
+MAX_RESIDUALS = 4  # operands residual, residual2, residual3, residual4
+
+
 def _check_gemv(p: GemvParams) -> None:
     _check_batch(p.batch)
     _require(p.in_features % VECTOR_ELEMENTS == 0, f"gemv in_features {p.in_features} not a multiple of {VECTOR_ELEMENTS}")
     _require((p.x_stride or p.in_features) % VECTOR_ELEMENTS == 0, "gemv x_stride must keep rows 16-byte aligned")
-    _require(_gemv_smem(p) <= X_SMEM_BUDGET, f"gemv input batch*in*2 = {_gemv_smem(p)} B exceeds {X_SMEM_BUDGET} B of smem")
+    _require(p.batch * p.in_features * 2 <= X_SMEM_BUDGET, f"gemv input batch*in*2 = {p.batch * p.in_features * 2} B exceeds {X_SMEM_BUDGET} B of smem")
+    _require(p.epilogue in GEMV_EPILOGUES, f"gemv epilogue {p.epilogue!r}; known: {GEMV_EPILOGUES}")
+    _require(p.out_dtype in ("bfloat16", "float32"), f"gemv out_dtype {p.out_dtype!r}")
+    _require(0 <= p.residuals <= MAX_RESIDUALS, f"gemv residuals {p.residuals} outside [0, {MAX_RESIDUALS}]")
+    _require(p.residuals == 0 or (p.epilogue == "none" and p.out_dtype == "bfloat16"),
+             "gemv residuals need the plain bf16 epilogue")  # fmt: skip
+    _require((p.out_dtype == "float32") == (p.epilogue == "kda_gate") or p.epilogue == "none",
+             f"gemv epilogue {p.epilogue!r} writes {'float32' if p.epilogue == 'kda_gate' else 'bfloat16'}")  # fmt: skip
+    if p.epilogue in ("kda_gate", "gated_rmsnorm"):
+        _require(p.head_dim > 0 and p.out_features % p.head_dim == 0, f"gemv {p.epilogue}: head_dim {p.head_dim} must divide {p.out_features}")
+    if p.epilogue == "gated_rmsnorm":
+        _require(p.head_dim % VECTOR_ELEMENTS == 0, f"gemv gated_rmsnorm head_dim {p.head_dim} not a multiple of {VECTOR_ELEMENTS}")
+        _require((p.o_stride or p.out_features) % VECTOR_ELEMENTS == 0, "gemv o_stride must keep rows 16-byte aligned")
+    if p.epilogue == "situ_mul":
+        _require(p.beta > 0 and (p.linear_beta is None or p.linear_beta > 0), "situ_mul needs beta, linear_beta > 0")
+
+
+def _gemv_rstd_offset(p: GemvParams) -> int:
+    """gated_rmsnorm: byte offset of the per-(batch, head) fp32 rstd table, after the staged input."""
+    return (p.batch * p.in_features * 2 + 15) // 16 * 16
 
 
 def _gemv_smem(p: GemvParams) -> int:
+    if p.epilogue == "gated_rmsnorm":
+        return _gemv_rstd_offset(p) + p.batch * (p.out_features // p.head_dim) * 4
     return p.batch * p.in_features * 2
 
 
@@ -138,6 +170,30 @@ def _check_add(p: AddParams) -> None:
     _require(p.dtype == "bfloat16", f"add dtype {p.dtype!r}")
 
 
+def _check_kda_conv(p: KdaConvParams) -> None:
+    _check_batch(p.batch)
+    _require(p.channels % VECTOR_ELEMENTS == 0, f"kda_conv channels {p.channels} not a multiple of {VECTOR_ELEMENTS}")
+    _require(2 <= p.width <= 8, f"kda_conv width {p.width} outside [2, 8]")
+    for stride in (p.x_stride, p.out_stride):
+        _require(stride % VECTOR_ELEMENTS == 0, "kda_conv strides must keep rows 16-byte aligned")
+
+
+def _check_kda_recurrence(p: KdaRecurrenceParams) -> None:
+    _check_batch(p.batch)
+    _require(p.head_dim in (64, 128, 256), f"kda_recurrence head_dim {p.head_dim} not in (64, 128, 256)")
+    _require(p.num_heads >= 1, "kda_recurrence needs heads")
+
+
+def _check_attn_res(p: AttnResParams) -> None:
+    _check_batch(p.batch)
+    _require(p.dim % VECTOR_ELEMENTS == 0, f"attn_res dim {p.dim} not a multiple of {VECTOR_ELEMENTS}")
+    _require(1 <= p.num_sources <= MAX_ATTN_RES_SOURCES, f"attn_res sources {p.num_sources} outside [1, {MAX_ATTN_RES_SOURCES}]")
+
+
+def _attn_res_smem(p: AttnResParams) -> int:
+    return 2 * p.num_sources * 32 * 4  # per-warp partial sums (up to 32 warps)
+
+
 def _none(p: object) -> int:
     return 0
 
@@ -149,7 +205,13 @@ OP_CODEGEN: dict[str, OpCodegen] = {
     "embedding": OpCodegen("embedding.py.j2", _none, _check_embedding),
     "argmax": OpCodegen("argmax.py.j2", _none, _check_argmax),
     "add": OpCodegen("add.py.j2", _none, _check_add),
+    "kda_conv": OpCodegen("kda_conv.py.j2", _none, _check_kda_conv),
+    "kda_recurrence": OpCodegen("kda_recurrence.py.j2", _none, _check_kda_recurrence, prefetch=True),
+    "attn_res": OpCodegen("attn_res.py.j2", _attn_res_smem, _check_attn_res),
 }
+from k3mk.codegen.ops_moe_mla import MOE_MLA_CODEGEN  # noqa: E402  (the MoE / MLA ops live in their own module)
+
+OP_CODEGEN.update(MOE_MLA_CODEGEN)
 assert set(OP_CODEGEN) == set(OP_KINDS), "every op kind needs a template"
 
 

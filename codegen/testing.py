@@ -15,6 +15,8 @@ from typing import Callable
 
 import torch
 
+from k3mk.codegen.testing_kda import KdaOpsMixin
+from k3mk.codegen.testing_moe_mla import MoeMlaOpsMixin
 from k3mk.ir import semantics
 from k3mk.ir.task_table import (
     ARENA_ALIGN,
@@ -55,7 +57,7 @@ def _split(n: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
-class TableBuilder:
+class TableBuilder(KdaOpsMixin, MoeMlaOpsMixin):
     def __init__(self, num_ctas: int):
         self.num_ctas = num_ctas
         self.variants: list[OpVariant] = []
@@ -65,6 +67,7 @@ class TableBuilder:
         self.buffers: list[BufferSpec] = []
         self.arena_bytes = 0
         self._next_cta = 0
+        self.states: list[str] = []  # pointer-table entries that ops update in place (decode state)
         self._steps: list[Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], None]] = []
 
     # ---- declarations -------------------------------------------------------------------------
@@ -98,7 +101,7 @@ class TableBuilder:
              norm_weight: int | None = None, eps: float = 1e-6, residual: Buf | None = None, name: str = "gemv") -> int:  # fmt: skip
         batch, k = x.shape
         n = self.weights[weight].shape[0]
-        params = GemvParams(k, n, batch, rmsnorm=norm_weight is not None, residual=residual is not None, eps=eps)
+        params = GemvParams(k, n, batch, rmsnorm=norm_weight is not None, residuals=int(residual is not None), eps=eps)
         opcode = self._opcode("gemv", params)
         ev = self.event(name)
         for i, (begin, count) in enumerate(_split(n, tiles)):

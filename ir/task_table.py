@@ -54,20 +54,39 @@ class TaskTableError(ValueError):
 
 @dataclass(frozen=True)
 class GemvParams:
-    """y[b, r] = sum_k W[r, k] * xn[b, k] for rows r of one tile; bf16 in/out, fp32 accumulate.
+    """y[b, r] = sum_k W[r, k] * xn[b, k] for rows r of one tile; bf16 in, fp32 accumulate.
 
-    rmsnorm: xn = rmsnorm(x, norm_weight, eps) computed in the task (semantics.rmsnorm).
-    residual: y = bf16(y) + residual[b, r] (semantics.add). Strides are in elements."""
+    rmsnorm: xn = rmsnorm(x, norm_weight, eps) computed in the task (semantics.rmsnorm; fused.py's
+    norm prologue). Epilogues (ir/fused.py; any row tile, the template indexes heads per row):
+      "none"           bf16(y) + `residuals` (0..4) residual rows, each add rounded to bf16, in order
+                       (fused.linear_residual); out_dtype "float32": the fp32 accumulator itself
+                       (semantics.linear(fp32=True), e.g. router logits)
+      "silu_mul", "situ_mul"  fused.gated_linear: the same rows of weight (gate) and weight_up,
+                       act(bf16(gate), bf16(up)); SiTU with beta, linear_beta (spec 5.1)
+      "sigmoid_gate"   fused.linear_sigmoid_gate: o[b, r] * sigmoid(bf16(y)), bf16 (spec 4.2)
+      "kda_gate"       fused.linear_kda_gate: fp32 decay g[b, r // head_dim, r % head_dim] from bf16(y),
+                       a_log [H] and dt_bias [H*D] fp32, lower_bound or softplus form (spec 3.2)
+      "gated_rmsnorm"  fused.linear_gated_rmsnorm: fp32 RMS of o over r's head (o_eps) * o_norm_weight
+                       [head_dim] fp32 * sigmoid(bf16(y)), bf16 (spec 3.2 o_norm)
+    Strides are in elements (0: the natural row length)."""
 
     in_features: int
     out_features: int
     batch: int
     rmsnorm: bool = False
-    residual: bool = False
+    residuals: int = 0
     eps: float = 1e-6
     x_stride: int = 0  # 0: in_features
     out_stride: int = 0  # 0: out_features
     residual_stride: int = 0  # 0: out_features
+    epilogue: str = "none"
+    out_dtype: str = "bfloat16"  # or "float32" ("none" without residuals; "kda_gate" always)
+    beta: float = 4.0  # situ_mul
+    linear_beta: float | None = 25.0  # situ_mul; None: no soft clamp of up
+    head_dim: int = 0  # kda_gate, gated_rmsnorm
+    lower_bound: float | None = None  # kda_gate; None: the softplus form (Kimi Linear)
+    o_eps: float = 1e-5  # gated_rmsnorm
+    o_stride: int = 0  # sigmoid_gate, gated_rmsnorm: row stride of o; 0: out_features
 
 
 @dataclass(frozen=True)
@@ -110,6 +129,157 @@ class NopParams:
 
 
 @dataclass(frozen=True)
+class KdaConvParams:
+    """Spec 3.2 short conv (semantics.kda_conv) of channels [channel_begin, +channel_count) of q, k and v
+    [batch, channels] bf16 (rows x_stride apart): out = bf16(silu(sum_j window_j * w[c, 0, j])) in fp32
+    over the window (state[b, :, g*channels + c], new token), conv weights fp32 [channels, 1, width];
+    the q|k|v state [batch, width-1, 3*channels] bf16 (spec 8 "SD") is shifted in place."""
+
+    channels: int
+    batch: int
+    width: int = 4
+    x_stride: int = 0  # 0: channels
+    out_stride: int = 0  # 0: channels
+
+
+@dataclass(frozen=True)
+class KdaRecurrenceParams:
+    """Spec 3.2 delta rule (semantics.kda_recurrence) of one head, value rows [value_begin, +value_count):
+    q, k, v [batch, H*D] bf16, g [batch, H, D] fp32, beta logits [batch, H] bf16, out [batch, H*D] bf16,
+    state [batch, H, D(v), D(k)] fp32 updated in place (each row read once, written once)."""
+
+    num_heads: int
+    head_dim: int
+    batch: int
+
+
+MAX_ATTN_RES_SOURCES = 9
+
+
+@dataclass(frozen=True)
+class AttnResParams:
+    """Spec 6 block attention residual (semantics.attn_res) of rows [batch_begin, +batch_count): fp32 RMS
+    (no gain) per source, score = sum(normed * norm_weight * proj_weight), softmax over the sources, mix
+    of the un-normalized sources; sources [batch, dim] bf16 (operands source0..), out bf16."""
+
+    dim: int
+    batch: int
+    num_sources: int
+    eps: float = 1e-5
+
+
+# ---- MoE and MLA op kinds (spec 4.3, 5.2, 5.3, 5.5; codegen/templates/{router,expert_*,mla_*}.py.j2) ----
+
+
+@dataclass(frozen=True)
+class RouterParams:
+    """Spec 5.2 (fused.router): ONE task for all rows. logits = fp32 GEMV of (rmsnorm'd) x [batch, dim] bf16
+    against the gate [num_experts, dim] bf16; s = sigmoid(logits); top_k of s + bias (fp32 [num_experts],
+    selection only; lowest index wins ties); weights from s, renormalized (+1e-20), times scaling. Writes
+    ids int32 [batch, top_k] and topk_weights fp32 [batch, top_k] (semantics.router_topk)."""
+
+    dim: int
+    num_experts: int
+    batch: int
+    top_k: int
+    renormalize: bool = True
+    scaling: float = 1.0
+    rmsnorm: bool = False
+    eps: float = 1e-5
+
+
+@dataclass(frozen=True)
+class ExpertGatedParams:
+    """Spec 5.3 (fused.expert_gated_linear[_mxfp4]): rows [row_begin, +row_count) of routing slot `slot`
+    for every request b: e = ids[b, slot] READ AT RUN TIME; out[b, slot, r] = act(bf16(w1[e, r] . x[b]),
+    bf16(w3[e, r] . x[b])), fp32 accumulate. x [batch, in] bf16; out [batch, top_k, out] bf16; w1/w3
+    [E, out, in] bf16, or MXFP4 packed [E, out, in/2] u8 + UE8M0 scales [E, out, in/32] u8 (spec 5.5)."""
+
+    in_features: int
+    out_features: int
+    num_experts: int
+    batch: int
+    top_k: int
+    weight_format: str = "bfloat16"  # or "mxfp4"
+    activation: str = "silu"  # or "situ"
+    beta: float = 4.0  # situ
+    linear_beta: float | None = 25.0  # situ; None: no soft clamp of up
+
+
+@dataclass(frozen=True)
+class ExpertCombineParams:
+    """Spec 5.3 (fused.expert_linear[_mxfp4]_combine): rows [row_begin, +row_count) of
+    out[b, r] = bf16(sum_j topk_weights[b, j] * bf16(w2[ids[b, j], r] . x[b, j])), the slot sum in fp32 in
+    slot order, ALL slots in one task. x [batch, top_k, in] bf16; w2 [E, out, in] bf16 or MXFP4."""
+
+    in_features: int
+    out_features: int
+    num_experts: int
+    batch: int
+    top_k: int
+    weight_format: str = "bfloat16"  # or "mxfp4"
+
+
+@dataclass(frozen=True)
+class MlaLatentParams:
+    """Spec 4.3 (semantics.mla_latent + mla_cache_write) of rows [batch_begin, +batch_count):
+    cache[b, positions[b]] = rmsnorm(x[b, :rank], norm_weight, eps) || x[b, rank:] (k_pe copied). x
+    [batch, rank+rope] bf16; cache [batch, max_len, rank+rope] bf16 (decode state, pointer table)."""
+
+    kv_lora_rank: int
+    rope_dim: int
+    max_len: int
+    batch: int
+    eps: float = 1e-6
+
+
+@dataclass(frozen=True)
+class MlaQAbsorbParams:
+    """Spec 4.3 (fused.mla_q_absorb) of heads [head_begin, +head_count): out[b, h] = bf16(q_nope[b, h] W_UK[h])
+    (fp32 accumulate) || q_pe[b, h]. x = q [batch, H*(nope+rope)] bf16; weight = kv_b [H*(nope+v), rank]
+    bf16 (W_UK[h] = its rows [h*(nope+v), +nope)); out [batch, H, rank+rope] bf16."""
+
+    num_heads: int
+    qk_nope: int
+    qk_rope: int
+    v_dim: int
+    kv_lora_rank: int
+    batch: int
+
+
+@dataclass(frozen=True)
+class MlaDecodeParams:
+    """Spec 4.3 (fused.mla_decode) of one (request, KV chunk, head group <= group_heads): MQA of q [batch, H,
+    rank+rope] bf16 over the cache rows of the chunk (fused.kv_chunk_bounds from positions, at run time),
+    scores * scale, fp32 online softmax; writes the chunk-normalized o [batch, num_chunks, H, rank] fp32
+    and lse [batch, num_chunks, H] fp32; an empty chunk gives o = 0, lse = -inf."""
+
+    num_heads: int
+    kv_lora_rank: int
+    rope_dim: int
+    max_len: int
+    batch: int
+    num_chunks: int
+    min_chunk_rows: int
+    scale: float
+    group_heads: int = 8
+
+
+@dataclass(frozen=True)
+class MlaVUpParams:
+    """Spec 4.3 (fused.mla_v_up) of heads [head_begin, +head_count), every request: the log-sum-exp merge of
+    the chunks' o [batch, num_chunks, H, rank] / lse [batch, num_chunks, H] (fp32), then o_lat W_UV[h]^T
+    (kv_b rows [h*(nope+v)+nope, +v)) in fp32, rounded once: out [batch, H*v] bf16."""
+
+    num_heads: int
+    qk_nope: int
+    v_dim: int
+    kv_lora_rank: int
+    batch: int
+    num_chunks: int
+
+
+@dataclass(frozen=True)
 class OpKind:
     name: str
     params: type
@@ -121,17 +291,44 @@ OP_KINDS: Mapping[str, OpKind] = MappingProxyType(
         k.name: k
         for k in (
             OpKind("nop", NopParams, ()),
-            OpKind("gemv", GemvParams, ("x", "out", "weight", "row_begin", "row_count", "residual", "norm_weight")),
+            OpKind("gemv", GemvParams, ("x", "out", "weight", "row_begin", "row_count", "residual", "norm_weight",
+                                        "weight_up", "o", "a_log", "dt_bias", "o_norm_weight", "residual2", "residual3",
+                                        "residual4")),
             OpKind("rmsnorm", RmsnormParams, ("x", "out", "weight", "batch_begin", "batch_count")),
             OpKind("embedding", EmbeddingParams, ("ids", "out", "table")),
             OpKind("argmax", ArgmaxParams, ("logits", "out", "batch_begin", "batch_count")),
             OpKind("add", AddParams, ("a", "b", "out", "begin", "count")),
+            OpKind("kda_conv", KdaConvParams, ("q", "k", "v", "out_q", "out_k", "out_v", "state", "weight_q", "weight_k",
+                                               "weight_v", "channel_begin", "channel_count")),
+            OpKind("kda_recurrence", KdaRecurrenceParams, ("q", "k", "v", "g", "beta", "out", "state", "head",
+                                                           "value_begin", "value_count")),
+            OpKind("attn_res", AttnResParams, ("out", "norm_weight", "proj_weight", "batch_begin", "batch_count",
+                                               *(f"source{i}" for i in range(MAX_ATTN_RES_SOURCES)))),
+            OpKind("router", RouterParams, ("x", "ids", "topk_weights", "weight", "bias", "norm_weight")),
+            OpKind("expert_gated", ExpertGatedParams, ("x", "ids", "out", "weight", "weight_up", "scale", "scale_up",
+                                                       "slot", "row_begin", "row_count")),
+            OpKind("expert_combine", ExpertCombineParams, ("x", "ids", "topk_weights", "out", "weight", "scale",
+                                                           "row_begin", "row_count")),
+            OpKind("mla_latent", MlaLatentParams, ("x", "positions", "norm_weight", "cache", "batch_begin", "batch_count")),
+            OpKind("mla_q_absorb", MlaQAbsorbParams, ("x", "out", "weight", "head_begin", "head_count")),
+            OpKind("mla_decode", MlaDecodeParams, ("q", "positions", "out", "lse", "cache", "request", "chunk",
+                                                   "head_begin", "head_count")),
+            OpKind("mla_v_up", MlaVUpParams, ("o", "lse", "out", "weight", "head_begin", "head_count")),
         )
     }
 )
 # Operands that are arena byte offsets (checked for range and alignment by validate()).
 ARENA_OPERANDS = frozenset({"x", "out", "residual", "ids", "logits", "a", "b"})
 WEIGHT_OPERANDS = frozenset({"weight", "norm_weight", "table"})
+# KDA / fused-GEMV / attn_res operands. Decode STATE (the KDA conv and recurrent states) lives outside the
+# arena like the weights (passes/plan_memory.py): a pointer-table entry bound by name, updated in place.
+ARENA_OPERANDS |= {"o", "residual2", "residual3", "residual4", "q", "k", "v", "out_q", "out_k", "out_v", "g", "beta"}
+ARENA_OPERANDS |= {f"source{i}" for i in range(MAX_ATTN_RES_SOURCES)}
+WEIGHT_OPERANDS |= {"weight_up", "a_log", "dt_bias", "o_norm_weight", "state", "weight_q", "weight_k", "weight_v",
+                    "proj_weight"}
+# MoE / MLA operands. The MLA latent cache is decode state (pointer table, like the KDA state).
+ARENA_OPERANDS |= {"topk_weights", "positions", "q", "o", "lse"}
+WEIGHT_OPERANDS |= {"bias", "weight_up", "scale", "scale_up", "cache"}
 
 
 @dataclass(frozen=True)

@@ -208,4 +208,10 @@ def all_cases() -> dict[str, Case]:
         bench_nop_case(132),
         bench_handoff_case(132, 1024),
     ]
+    from kda_cases import kda_cases  # KDA-side Kimi ops (tests/runtime/kda_cases.py)
+
+    cases += kda_cases()
+    from moe_mla_cases import moe_mla_cases  # MoE / MLA Kimi ops (tests/runtime/moe_mla_cases.py)
+
+    cases += moe_mla_cases()
     return {c.name: c for c in cases}

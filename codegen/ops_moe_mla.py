@@ -1,0 +1,156 @@
+"""Codegen entries of the MoE and MLA op kinds (spec 4.3, 5.2, 5.3, 5.5): their templates, shared-memory
+needs and codegen-time checks. Registered into `k3mk.codegen.ops.OP_CODEGEN` at its import.
+
+The smem layouts computed here (`*_layout`) are the ones the templates use: the templates recompute
+the same offsets from the params with the same formulas (keep the two in step).
+"""
+
+from __future__ import annotations
+
+from k3mk.codegen.ops import VECTOR_ELEMENTS, X_SMEM_BUDGET, CodegenError, OpCodegen, _check_batch, _require
+from k3mk.ir.task_table import (
+    ExpertCombineParams,
+    ExpertGatedParams,
+    MlaDecodeParams,
+    MlaLatentParams,
+    MlaQAbsorbParams,
+    MlaVUpParams,
+    RouterParams,
+)
+
+THREADS = 256  # the templates' mapping assumes KernelConfig().threads (checked at emit time by the templates' asserts)
+MXFP4_GROUP = 32  # inputs per UE8M0 scale = one 16-byte load of packed codes
+WEIGHT_FORMATS = ("bfloat16", "mxfp4")
+MAX_TOP_K = 32
+MLA_BLOCK_ROWS = 32  # KV rows staged per block in mla_decode (one per lane)
+MAX_GROUP_HEADS = 32
+
+
+def _a16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+# ---- router ---------------------------------------------------------------------------------
+
+
+def router_smem_layout(p: RouterParams) -> dict:
+    """x (normalised, bf16 [B, dim]) | logits fp32 [B, E] | selection scores fp32 [B, E]."""
+    logits = _a16(p.batch * p.dim * 2)
+    sel = logits + _a16(p.batch * p.num_experts * 4)
+    return {"logits": logits, "sel": sel, "total": sel + _a16(p.batch * p.num_experts * 4)}
+
+
+def _check_router(p: RouterParams) -> None:
+    _check_batch(p.batch)
+    _require(p.dim % VECTOR_ELEMENTS == 0, f"router dim {p.dim} not a multiple of {VECTOR_ELEMENTS}")
+    _require(1 <= p.top_k <= min(p.num_experts, MAX_TOP_K), f"router top_k {p.top_k} outside [1, min(E, {MAX_TOP_K})]")
+    _require(router_smem_layout(p)["total"] <= X_SMEM_BUDGET,
+             f"router smem {router_smem_layout(p)['total']} B > {X_SMEM_BUDGET} B: split the logits GEMV from the top-k")  # fmt: skip
+
+
+# ---- routed experts -------------------------------------------------------------------------
+
+
+def _check_weight_format(op: str, fmt: str, in_features: int) -> None:
+    _require(fmt in WEIGHT_FORMATS, f"{op} weight_format {fmt!r}; known: {WEIGHT_FORMATS}")
+    unit = MXFP4_GROUP if fmt == "mxfp4" else VECTOR_ELEMENTS
+    _require(in_features % unit == 0, f"{op} in_features {in_features} not a multiple of {unit} ({fmt})")
+
+
+def _check_expert_gated(p: ExpertGatedParams) -> None:
+    _check_batch(p.batch)
+    _check_weight_format("expert_gated", p.weight_format, p.in_features)
+    _require(1 <= p.top_k <= p.num_experts, f"expert_gated top_k {p.top_k} outside [1, {p.num_experts}]")
+    _require(p.activation in ("silu", "situ"), f"expert_gated activation {p.activation!r}")
+    if p.activation == "situ":
+        _require(p.beta > 0 and (p.linear_beta is None or p.linear_beta > 0), "situ needs beta, linear_beta > 0")
+    _require(_expert_gated_smem(p) <= X_SMEM_BUDGET, f"expert_gated input batch*in*2 = {_expert_gated_smem(p)} B > {X_SMEM_BUDGET} B")
+
+
+def _expert_gated_smem(p: ExpertGatedParams) -> int:
+    return p.batch * p.in_features * 2
+
+
+def _check_expert_combine(p: ExpertCombineParams) -> None:
+    _check_batch(p.batch)
+    _check_weight_format("expert_combine", p.weight_format, p.in_features)
+    _require(1 <= p.top_k <= p.num_experts, f"expert_combine top_k {p.top_k} outside [1, {p.num_experts}]")
+    _require(_expert_combine_smem(p) <= X_SMEM_BUDGET, f"expert_combine top_k*in*2 = {_expert_combine_smem(p)} B > {X_SMEM_BUDGET} B")
+
+
+def _expert_combine_smem(p: ExpertCombineParams) -> int:
+    return p.top_k * p.in_features * 2  # one request's slot inputs at a time
+
+
+# ---- MLA ------------------------------------------------------------------------------------
+
+
+def _check_mla_dims(op: str, rank: int, rope: int) -> None:
+    _require(rank % VECTOR_ELEMENTS == 0 and rope % VECTOR_ELEMENTS == 0,
+             f"{op}: kv_lora_rank {rank} and rope {rope} must be multiples of {VECTOR_ELEMENTS}")  # fmt: skip
+    _require(rank // VECTOR_ELEMENTS <= THREADS, f"{op}: kv_lora_rank {rank} > {THREADS * VECTOR_ELEMENTS}")
+
+
+def _check_mla_latent(p: MlaLatentParams) -> None:
+    _check_batch(p.batch)
+    _check_mla_dims("mla_latent", p.kv_lora_rank, p.rope_dim)
+
+
+def q_absorb_layout(p: MlaQAbsorbParams) -> dict:
+    """Thread t owns column vector t % RV of W_UK and the row slice t // RV (DS slices); requests in
+    chunks of BC; slices 1.. leave their partial sums in smem for slice 0."""
+    rv = p.kv_lora_rank // VECTOR_ELEMENTS
+    ds = THREADS // rv
+    bc = min(p.batch, 4)
+    return {"RV": rv, "DS": ds, "BC": bc, "total": (ds - 1) * bc * p.kv_lora_rank * 4}
+
+
+def _check_mla_q_absorb(p: MlaQAbsorbParams) -> None:
+    _check_batch(p.batch)
+    _check_mla_dims("mla_q_absorb", p.kv_lora_rank, VECTOR_ELEMENTS)
+    _require(p.qk_nope >= 1 and p.qk_rope >= 0 and p.v_dim >= 1, "mla_q_absorb dims")
+
+
+def decode_layout(p: MlaDecodeParams) -> dict:
+    """sQ fp32 [group_heads, C] | sK bf16 [32 rows, C + 8] (the pad makes the per-lane row reads conflict-free)."""
+    c = p.kv_lora_rank + p.rope_dim
+    k_off = _a16(p.group_heads * c * 4)
+    return {"C": c, "SK": c + 8, "K_OFF": k_off, "total": k_off + MLA_BLOCK_ROWS * (c + 8) * 2, "NB": MLA_BLOCK_ROWS}
+
+
+def _check_mla_decode(p: MlaDecodeParams) -> None:
+    _check_batch(p.batch)
+    _check_mla_dims("mla_decode", p.kv_lora_rank, p.rope_dim)
+    _require(1 <= p.group_heads <= MAX_GROUP_HEADS, f"mla_decode group_heads {p.group_heads} outside [1, {MAX_GROUP_HEADS}]")
+    _require(p.num_chunks >= 1 and p.min_chunk_rows >= 1, "mla_decode needs num_chunks, min_chunk_rows >= 1")
+    _require(decode_layout(p)["total"] <= X_SMEM_BUDGET, f"mla_decode smem {decode_layout(p)['total']} B > {X_SMEM_BUDGET} B")
+
+
+def v_up_layout(p: MlaVUpParams) -> dict:
+    """sO fp32 [B, rank] (the merged latent outputs of one head) | sW fp32 [B, chunks] (merge weights)."""
+    w_off = _a16(p.batch * p.kv_lora_rank * 4)
+    return {"W_OFF": w_off, "total": w_off + _a16(p.batch * p.num_chunks * 4)}
+
+
+def _check_mla_v_up(p: MlaVUpParams) -> None:
+    _check_batch(p.batch)
+    _check_mla_dims("mla_v_up", p.kv_lora_rank, VECTOR_ELEMENTS)
+    _require(1 <= p.num_chunks <= 64, f"mla_v_up num_chunks {p.num_chunks} outside [1, 64]")
+    _require(v_up_layout(p)["total"] <= X_SMEM_BUDGET, f"mla_v_up smem {v_up_layout(p)['total']} B > {X_SMEM_BUDGET} B")
+
+
+def _none(p: object) -> int:
+    return 0
+
+
+MOE_MLA_CODEGEN: dict[str, OpCodegen] = {
+    "router": OpCodegen("router.py.j2", lambda p: router_smem_layout(p)["total"], _check_router),
+    "expert_gated": OpCodegen("expert_gated.py.j2", _expert_gated_smem, _check_expert_gated),
+    "expert_combine": OpCodegen("expert_combine.py.j2", _expert_combine_smem, _check_expert_combine),
+    "mla_latent": OpCodegen("mla_latent.py.j2", _none, _check_mla_latent),
+    "mla_q_absorb": OpCodegen("mla_q_absorb.py.j2", lambda p: q_absorb_layout(p)["total"], _check_mla_q_absorb),
+    "mla_decode": OpCodegen("mla_decode.py.j2", lambda p: decode_layout(p)["total"], _check_mla_decode),
+    "mla_v_up": OpCodegen("mla_v_up.py.j2", lambda p: v_up_layout(p)["total"], _check_mla_v_up),
+}
+
+__all__ = ["MOE_MLA_CODEGEN", "CodegenError", "router_smem_layout", "q_absorb_layout", "decode_layout", "v_up_layout"]
