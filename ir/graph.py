@@ -16,6 +16,7 @@ import networkx as nx
 import torch
 
 from k3mk.ir.ops import OPS, Op, infer
+from k3mk.ir.collectives import ShardSpec  # also registers the TP ops, so verify() knows them
 
 
 class Role(enum.Enum):
@@ -48,6 +49,7 @@ class Tensor:
     dtype: torch.dtype
     role: Role
     alias: str | None = None  # STATE_OUT: the STATE tensor it overwrites
+    shard: ShardSpec | None = None  # under TP: which slice of the full tensor `shape` is; None: replicated (or an activation)
 
     @property
     def numel(self) -> int:
@@ -62,7 +64,8 @@ class Tensor:
 
     def text(self) -> str:
         alias = f" -> {self.alias}" if self.alias else ""
-        return f"{self.name}: {dtype_name(self.dtype)}{list(self.shape)} {self.role.value}{alias}"
+        shard = f" {self.shard.text()}" if self.shard else ""
+        return f"{self.name}: {dtype_name(self.dtype)}{list(self.shape)} {self.role.value}{alias}{shard}"
 
 
 @dataclass
@@ -176,8 +179,10 @@ class Graph:
                 raise IRError(f"tensor '{t.name}' ({t.role.value}) is never produced")
             if t.role == Role.STATE_OUT:
                 src = self.tensors.get(t.alias or "")
-                if src is None or src.role != Role.STATE or (src.shape, src.dtype) != (t.shape, t.dtype):
-                    raise IRError(f"state output '{t.name}' must alias a STATE tensor of the same type, found alias {t.alias!r}")
+                if src is None or src.role != Role.STATE or (src.shape, src.dtype, src.shard) != (t.shape, t.dtype, t.shard):
+                    raise IRError(f"state output '{t.name}' must alias a STATE tensor of the same type and shard, found alias {t.alias!r}")
+            if t.shard is not None and (t.shard.parts != self.meta.get("tp") or not 0 <= t.shard.dim < len(t.shape)):
+                raise IRError(f"tensor '{t.name}' has shard {t.shard.text()}, the graph has tp={self.meta.get('tp')} and {len(t.shape)} dims")
 
     def text(self) -> str:
         """Stable text form: header, tensors grouped by role in name order, then the nodes in order."""

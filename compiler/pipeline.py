@@ -1,0 +1,213 @@
+"""The compile driver: capture the reference decode step for a target and run the pass pipeline on it
+as far as it is written (passes/manager.py), then summarize what came out; plus the two functions
+behind `k3mk compile` (`add_compile_arguments`, `run_compile`).
+
+Stages that do not exist yet are reported as such, never guessed: the summary says which numbers
+need which pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from k3mk.compiler.capture import capture
+from k3mk.compiler.config import ModelConfig, load_config
+from k3mk.ir.graph import Graph, Role
+from k3mk.ir.tasks import TaskGraph
+from k3mk.passes import manager
+from k3mk.passes.manager import ARCHS, PIPELINE, PassRecord, PipelineRun, Target, available, pass_name, run_pipeline
+from k3mk.passes.tp_shard import TPError, check_divisible
+
+
+class CompileError(ValueError):
+    """The compile target cannot be built (bad degree, arch, rank); the message names the option."""
+
+
+@dataclass
+class CompileResult:
+    target: Target
+    captured: Graph
+    capture_seconds: float
+    run: PipelineRun
+    sharded: Graph  # after tp_shard, before fusion: the op kinds the roofline knows (the captured graph if it did not run)
+    missing: list[str] = field(default_factory=list)  # passes of the pipeline not written yet
+    skipped: list[str] = field(default_factory=list)  # written passes after `until`
+
+    @property
+    def output(self) -> Graph | TaskGraph:
+        return self.run.output
+
+    @property
+    def graph(self) -> Graph:
+        """The last IR graph (the one the tasks implement, once there are tasks)."""
+        return self.output.graph if isinstance(self.output, TaskGraph) else self.output
+
+
+def make_target(config: ModelConfig, tp: int, max_tokens: int, max_context: int, dtype: torch.dtype, arch: str) -> Target:
+    """The compile target, checked before the (slow) capture: the errors name the option."""
+    if arch not in ARCHS:
+        raise CompileError(f"--arch {arch}: unknown (known: {', '.join(ARCHS)})")
+    for option, value in (("--tp", tp), ("--max-tokens", max_tokens), ("--max-context", max_context)):
+        if value < 1:
+            raise CompileError(f"{option} must be at least 1, found {value}")
+    try:
+        check_divisible(config, tp)
+    except TPError as e:
+        raise CompileError(f"--tp {tp}: {e}") from None
+    return Target.for_arch(config, arch, tp=tp, max_tokens=max_tokens, max_context=max_context, dtype=dtype)
+
+
+def compile_graph(
+    config: ModelConfig,
+    tp: int = 1,
+    max_tokens: int = 1,
+    max_context: int = 4096,
+    dtype: torch.dtype = torch.bfloat16,
+    arch: str = "sm_90a",
+    dump_dir: str | Path | None = None,
+    progress: Callable[[str], None] | None = None,
+    until: str | None = None,
+) -> CompileResult:
+    """Capture one decode step of `max_tokens` tokens and run every pass written so far (with
+    `until`, none after that one), verifying (and with `dump_dir`, dumping) after each. `progress`
+    receives one line per finished stage."""
+    target = make_target(config, tp, max_tokens, max_context, dtype, arch)
+    written = available(PIPELINE)
+    try:
+        passes = written if until is None else [p for p in manager.until(until) if p in written]
+    except ValueError as e:
+        raise CompileError(f"--until {until}: {e}") from None
+    missing = [pass_name(p) for p in PIPELINE[len(written) :]]
+    skipped = [pass_name(p) for p in written[len(passes) :]]
+    say = progress or (lambda line: None)
+    start = time.perf_counter()
+    graph = capture(config, max_tokens, max_context, dtype)
+    seconds = time.perf_counter() - start
+    say(f"capture: {len(graph.nodes)} nodes in {seconds:.2f} s")
+    kept = {"tp_shard": graph}
+
+    def on_pass(record: PassRecord, x) -> None:
+        say(f"{record.name}: {record.size} in {record.seconds:.2f} s (verify {record.verify_seconds:.2f} s)")
+        if record.name in kept:
+            kept[record.name] = x
+
+    run = run_pipeline(graph, target, passes, dump_dir, on_pass)
+    if missing:
+        say(f"not written yet: {', '.join(missing)}")
+    return CompileResult(target, graph, seconds, run, kept["tp_shard"], missing, skipped)
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def summary(result: CompileResult) -> str:
+    """What the compile produced so far: stages with timings and sizes, per-rank bytes and collectives,
+    tasks and bytes per SM, the cost model's step time and the roofline at NOMINAL bandwidth."""
+    t, graph = result.target, result.graph
+    lines = [
+        f"k3mk compile {t.config.name}: tp={t.tp} max_tokens={t.max_tokens} max_context={t.max_context} "
+        f"dtype={str(t.dtype).removeprefix('torch.')} arch={t.arch} ({t.device_name}, {t.num_sms} SMs)",
+        "stages:",
+        f"  {'capture':16s} {result.capture_seconds:8.2f} s  {len(result.captured.nodes)} nodes",
+    ]
+    for record in result.run.records:
+        lines.append(f"  {record.name:16s} {record.seconds:8.2f} s  {record.size} (verify {record.verify_seconds:.2f} s)")
+    lines += [f"  {name:16s} not run (until {result.run.records[-1].name if result.run.records else 'capture'})" for name in result.skipped]
+    lines += [f"  {name:16s} not written yet" for name in result.missing]
+
+    weights = graph.by_role(Role.WEIGHT)
+    split = sum(w.nbytes for w in weights if w.shard is not None)
+    replicated = sum(w.nbytes for w in weights if w.shard is None)
+    lines.append(f"weights stored per rank: {_bytes(split + replicated)} ({_bytes(split)} split, {_bytes(replicated)} replicated)")
+    counts: dict[str, list[int]] = {}
+    for n in graph.nodes:
+        if n.op.name in ("all_reduce", "all_gather"):
+            counts.setdefault(n.op.name, []).append(sum(graph.tensors[o].nbytes for o in n.outputs))
+    if counts:
+        lines.append("collectives per step: " + ", ".join(f"{k} x{len(v)} ({_bytes(sum(v))} results)" for k, v in sorted(counts.items())))
+
+    tg = result.output if isinstance(result.output, TaskGraph) else None
+    if tg is not None and tg.sm_lists:
+        per_sm = [len(ts) for ts in tg.sm_lists]
+        sm_bytes = tg.meta.get("sm_bytes") or [sum(tg.tasks[i].weight_bytes for i in ts) for ts in tg.sm_lists]
+        lines.append(f"tasks per SM: min {min(per_sm)} / mean {statistics.mean(per_sm):.1f} / max {max(per_sm)} ({len(tg.tasks)} tasks)")
+        lines.append(f"bytes per SM: min {_bytes(min(sm_bytes))} / mean {_bytes(statistics.mean(sm_bytes))} / max {_bytes(max(sm_bytes))}")
+    else:
+        lines.append("tasks and bytes per SM: not available (needs tile ... schedule)")
+    predicted = tg.meta.get("predicted_step_s") if tg is not None else None
+    lines.append(f"predicted step time (cost model): {predicted * 1e6:.1f} us" if predicted else "predicted step time (cost model): not available (needs schedule)")
+    lines.append(_roofline(result.sharded, t))
+    return "\n".join(lines) + "\n"
+
+
+def _roofline(graph: Graph, target: Target) -> str:
+    try:
+        from k3mk.passes.schedule import roofline_bytes
+    except ModuleNotFoundError:
+        return "roofline: not available (needs passes/schedule.py roofline_bytes)"
+    roof = roofline_bytes(graph)
+    return (
+        f"roofline per rank at NOMINAL bandwidth {target.bandwidth / 1e12:.1f} TB/s ({target.device_name} datasheet, not measured): "
+        f"{_bytes(roof['total'])} per step ({_bytes(roof['weights'])} weights, {_bytes(roof['experts'])} routed experts, "
+        f"{_bytes(roof['state'])} state) -> {roof['total'] / target.bandwidth * 1e6:.1f} us"
+    )
+
+
+def rank_view(graph: Graph, rank: int) -> str:
+    """What rank `rank` loads and owns: the slice of every split weight, state and output."""
+    tp = graph.meta.get("tp", 1)
+    lines = [f"rank {rank} of {tp}:"]
+    replicated = 0
+    for role in (Role.WEIGHT, Role.STATE, Role.OUTPUT):
+        for tensor in sorted(graph.by_role(role), key=lambda x: x.name):
+            s = tensor.shard
+            if s is None:
+                replicated += role == Role.WEIGHT
+                continue
+            full = tensor.shape[s.dim] * s.parts
+            block = full // s.groups
+            piece = block // s.parts
+            ranges = ", ".join(f"{g * block + rank * piece}:{g * block + (rank + 1) * piece}" for g in range(s.groups))
+            lines.append(f"  {role.value} {tensor.name}: dim {s.dim} [{ranges}] of {full}")
+    lines.append(f"  ({replicated} weights replicated on every rank)")
+    return "\n".join(lines) + "\n"
+
+
+# --- `k3mk compile` ----------------------------------------------------------------------------------
+
+
+def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `k3mk compile`."""
+    parser.add_argument("--model", required=True, metavar="MODEL", help="a preset or a directory holding a config.json")
+    parser.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel degree: one artifact for all N ranks (default: 1)")
+    parser.add_argument("--max-tokens", type=int, default=1, metavar="B", help="tokens per decode step: requests x (1 + draft tokens) (default: 1)")
+    parser.add_argument("--max-context", type=int, default=4096, metavar="T", help="latent cache length per request (default: 4096)")
+    parser.add_argument("--arch", choices=tuple(ARCHS), default="sm_90a", help="target GPU architecture (default: sm_90a)")
+    parser.add_argument("--dump", type=Path, metavar="DIR", help="write the IR after capture and after every pass to DIR/NN_<pass>.txt")
+    parser.add_argument("--show-rank", type=int, metavar="R", help="also print which slice of every split tensor rank R loads")
+    parser.add_argument("--until", choices=[p.name for p in PIPELINE], metavar="PASS", help="stop after this pass (default: run every pass written so far)")
+
+
+def run_compile(args: argparse.Namespace) -> int:
+    """`k3mk compile`: progress to stderr, the summary (and --show-rank's view) to stdout."""
+    if args.show_rank is not None and not 0 <= args.show_rank < args.tp:
+        raise CompileError(f"--show-rank {args.show_rank}: ranks are 0..{args.tp - 1} at --tp {args.tp}")
+    config = load_config(args.model)
+    progress = lambda line: print(f"k3mk: {line}", file=sys.stderr, flush=True)  # noqa: E731
+    result = compile_graph(config, args.tp, args.max_tokens, args.max_context, torch.bfloat16, args.arch, args.dump, progress, args.until)
+    print(summary(result), end="")
+    if args.show_rank is not None:
+        print(rank_view(result.graph, args.show_rank), end="")
+    return 0
