@@ -73,7 +73,10 @@ def kda_conv(
     window = torch.cat([state, x.unsqueeze(1).to(state.dtype)], dim=1)  # [B, W, 3P]
     y = F.silu((window.to(F32) * weight.to(F32)[:, 0, :].T.unsqueeze(0)).sum(1)).to(q.dtype)
     p = q.shape[-1]
-    return y[:, :p].contiguous(), y[:, p : 2 * p].contiguous(), y[:, 2 * p :].contiguous(), window[:, 1:, :].contiguous()
+    # clone, not .contiguous(): at B == 1 the slices already are contiguous views of y / window, and a
+    # custom op's outputs must not alias each other or an input
+    own = lambda t: t.clone(memory_format=torch.contiguous_format)  # noqa: E731
+    return own(y[:, :p]), own(y[:, p : 2 * p]), own(y[:, 2 * p :]), own(window[:, 1:, :])
 
 
 def kda_gate(
@@ -164,8 +167,10 @@ def mla_attention(
     scores = torch.einsum("bhd,bthd->bht", qh[..., :qk_nope].to(F32), k_nope.to(F32))
     scores = scores + torch.einsum("bhd,btd->bht", qh[..., qk_nope:].to(F32), k_pe.to(F32))
     scores = scores * (qk_nope + qk_rope) ** -0.5
-    valid = torch.arange(t_max, device=cache.device).view(1, 1, t_max) <= positions.view(bsz, 1, 1)
-    p = torch.softmax(scores.masked_fill(~valid, -math.inf), dim=-1)
+    valid = torch.arange(t_max, device=cache.device).view(1, t_max) <= positions.view(bsz, 1)  # [B, T_max]
+    p = torch.softmax(scores.masked_fill(~valid.unsqueeze(1), -math.inf), dim=-1)
+    # zero the unwritten rows' values too: 0 * NaN/inf junk (a cache from torch.empty) would poison o
+    v = v.masked_fill(~valid.view(bsz, t_max, 1, 1), 0)
     o = torch.einsum("bht,bthd->bhd", p.to(dt), v)
     return o.reshape(bsz, num_heads * v_dim)
 
