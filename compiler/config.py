@@ -190,38 +190,120 @@ class _Fields:
         return v
 
 
-def _layer_kinds(text: _Fields, num_layers: int) -> tuple[str, ...]:
-    """Resolve the KDA/MLA schedule: 1-based `kda_layers`/`full_attn_layers` in `linear_attn_config`
-    (published form), or `layer_types` (transformers' save_pretrained form)."""
-    lin = text.obj("linear_attn_config")
-    if lin.has("kda_layers") or lin.has("full_attn_layers"):
-        kinds: list[str | None] = [None] * num_layers
-        for key, kind in (("kda_layers", "kda"), ("full_attn_layers", "mla")):
-            values = lin.raw(key, [])
-            if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-                raise lin.error(key, f"expected a list of 1-based layer numbers, found {values!r}")
-            for v in values:
-                if not 1 <= v <= num_layers:
-                    raise lin.error(key, f"layer {v} is outside 1..num_hidden_layers={num_layers} (the list is 1-based)")
-                if kinds[v - 1] is not None:
-                    raise lin.error(key, f"layer {v} is listed in both kda_layers and full_attn_layers")
-                kinds[v - 1] = kind
-        missing = [i + 1 for i, k in enumerate(kinds) if k is None]
-        if missing:
-            raise lin.error("kda_layers", f"layers {missing} (1-based) are in neither kda_layers nor full_attn_layers")
-        return tuple(kinds)  # type: ignore[arg-type]
-    types = text.raw("layer_types", None)
-    if types is None:
-        raise text.error("linear_attn_config.kda_layers", "is missing (and there is no layer_types list either)")
-    if not isinstance(types, list) or len(types) != num_layers:
-        raise text.error("layer_types", f"expected a list of {num_layers} layer types, found {types!r}")
-    names = {"linear_attention": "kda", "kda": "kda", "full_attention": "mla", "mla": "mla"}
-    out = []
-    for i, t in enumerate(types):
-        if t not in names:
-            raise text.error("layer_types", f"entry {i} is {t!r} (supported: {', '.join(map(repr, names))})")
-        out.append(names[t])
-    return tuple(out)
+# transformers' `KimiLinearConfig.attribute_map`: a hand-written config may spell these fields by the
+# alias (transformers accepts both; its `save_pretrained` writes the canonical name on the right).
+_ALIASES = {
+    "num_local_experts": "num_experts",
+    "num_experts_per_tok": "num_experts_per_token",
+    "n_shared_experts": "num_shared_experts",
+    "norm_topk_prob": "moe_renormalize",
+    "n_group": "num_expert_group",
+}
+
+
+def _fold_aliases(text: _Fields) -> _Fields:
+    """Rename alias fields to their canonical names; an alias that contradicts its canonical field is an error."""
+    data = dict(text.data)
+    for alias, canonical in _ALIASES.items():
+        if data.get(alias) is None:
+            continue
+        if data.get(canonical) is not None and data[canonical] != data[alias]:
+            raise text.error(alias, f"is {data[alias]!r} but '{text._name(canonical)}' is {data[canonical]!r} (they are aliases)")
+        data[canonical] = data.pop(alias)
+    return _Fields(data, text.where, text.path)
+
+
+def _kda_field(text: _Fields, lin: _Fields | None, key: str, flat_key: str) -> int:
+    """A KDA dimension: `linear_attn_config.<key>` (published form) or `<flat_key>` (transformers'
+    save_pretrained form: `linear_num_heads`, `linear_head_dim`, `linear_conv_kernel_dim`); both must agree."""
+    nested = lin.int(key) if lin is not None and lin.has(key) else None
+    flat = text.int(flat_key) if text.has(flat_key) else None
+    if nested is None and flat is None:
+        if lin is not None:
+            raise lin.error(key, f"is missing (and there is no top-level '{flat_key}' either)")
+        raise text.error(flat_key, "is missing (and there is no linear_attn_config either)")
+    if nested is not None and flat is not None and nested != flat:
+        raise text.error(flat_key, f"is {flat} but linear_attn_config.{key} is {nested}")
+    return nested if nested is not None else flat  # type: ignore[return-value]
+
+
+def _kinds_from_lists(lin: _Fields, num_layers: int) -> tuple[str, ...]:
+    """The 1-based `kda_layers` / `full_attn_layers` lists of `linear_attn_config` (published form)."""
+    kinds: list[str | None] = [None] * num_layers
+    for key, kind in (("kda_layers", "kda"), ("full_attn_layers", "mla")):
+        values = lin.raw(key, [])
+        if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise lin.error(key, f"expected a list of 1-based layer numbers, found {values!r}")
+        for v in values:
+            if not 1 <= v <= num_layers:
+                raise lin.error(key, f"layer {v} is outside 1..num_hidden_layers={num_layers} (the list is 1-based)")
+            if kinds[v - 1] is not None:
+                raise lin.error(key, f"layer {v} is listed in both kda_layers and full_attn_layers")
+            kinds[v - 1] = kind
+    missing = [i + 1 for i, k in enumerate(kinds) if k is None]
+    if missing:
+        raise lin.error("kda_layers", f"layers {missing} (1-based) are in neither kda_layers nor full_attn_layers")
+    return tuple(kinds)  # type: ignore[arg-type]
+
+
+def _per_layer_names(text: _Fields, key: str, num_layers: int, names: dict[str, str]) -> tuple[str, ...]:
+    """A per-layer list of type names (transformers' `layer_types` / `mlp_layer_types`), mapped through `names`."""
+    values = text.raw(key)
+    if not isinstance(values, list) or len(values) != num_layers:
+        raise text.error(key, f"expected a list of {num_layers} entries (one per layer), found {values!r}")
+    for i, v in enumerate(values):
+        if v not in names:
+            raise text.error(key, f"entry {i} is {v!r} (supported: {', '.join(map(repr, names))})")
+    return tuple(names[v] for v in values)
+
+
+def _layer_kinds(text: _Fields, lin: _Fields | None, num_layers: int) -> tuple[str, ...]:
+    """Resolve the KDA/MLA schedule (0-based): the 1-based lists in `linear_attn_config` (published
+    form) and/or `layer_types` (transformers' save_pretrained form). Where both exist they must agree."""
+    from_lists = None
+    if lin is not None and (lin.has("kda_layers") or lin.has("full_attn_layers")):
+        from_lists = _kinds_from_lists(lin, num_layers)
+    from_types = None
+    if text.has("layer_types"):
+        from_types = _per_layer_names(text, "layer_types", num_layers, {"linear_attention": "kda", "full_attention": "mla"})
+    if from_lists is None and from_types is None:
+        raise text.error("layer_types", "is missing (and there are no linear_attn_config.kda_layers / full_attn_layers either)")
+    if from_lists is not None and from_types is not None and from_lists != from_types:
+        first = next(i for i, (a, b) in enumerate(zip(from_lists, from_types)) if a != b)
+        raise text.error(
+            "layer_types",
+            f"entry {first} is {text.raw('layer_types')[first]!r} but linear_attn_config lists layer {first + 1} (1-based) as {from_lists[first]}",
+        )
+    return from_lists if from_lists is not None else from_types  # type: ignore[return-value]
+
+
+def _dense_layout(text: _Fields, num_layers: int) -> tuple[int, int]:
+    """(first_k_dense_replace, moe_layer_freq): from those fields (published form) and/or from
+    `mlp_layer_types` (transformers' form, "dense"/"sparse" per layer). Where both exist they must agree."""
+    first_k = text.int("first_k_dense_replace", None, minimum=0)
+    freq = text.int("moe_layer_freq", 1)
+    if first_k is not None and first_k > num_layers:
+        raise text.error("first_k_dense_replace", f"{first_k} exceeds num_hidden_layers={num_layers}")
+    if not text.has("mlp_layer_types"):
+        if first_k is None:
+            raise text.error("first_k_dense_replace", "is missing (and there is no mlp_layer_types list either)")
+        return first_k, freq
+    kinds = _per_layer_names(text, "mlp_layer_types", num_layers, {"dense": "dense", "sparse": "sparse"})
+    if first_k is None:
+        # transformers ignores moe_layer_freq; what our two numbers express without it is: dense
+        # layers first, then only MoE ("sparse") layers.
+        first_k = kinds.index("sparse") if "sparse" in kinds else num_layers
+        freq = 1
+    expected = tuple("sparse" if i >= first_k and i % freq == 0 else "dense" for i in range(num_layers))
+    if kinds != expected:
+        first = next(i for i, (a, b) in enumerate(zip(kinds, expected)) if a != b)
+        detail = (
+            f"but first_k_dense_replace={text.raw('first_k_dense_replace')} and moe_layer_freq={freq} make it {expected[first]!r}"
+            if text.has("first_k_dense_replace")
+            else "(supported: dense layers first, then only sparse layers)"
+        )
+        raise text.error("mlp_layer_types", f"entry {first} is {kinds[first]!r} {detail}")
+    return first_k, freq
 
 
 _MXFP4_IGNORED_MODULES = ("self_attn", "shared_experts", "mlp.gate_proj", "lm_head", "block_sparse_moe.gate")
@@ -281,32 +363,41 @@ def parse_config(data: dict[str, Any], where: str = "<config>", name: str = "") 
     text = top.obj("text_config") if model_type == "kimi_k3" else top
     if model_type == "kimi_k3":
         text.expect("model_type", ("kimi_linear",), "kimi_linear")
+    text = _fold_aliases(text)
+    # transformers' KimiLinearConfig writes the KDA fields flat and only keeps `linear_attn_config`
+    # when it read one (a re-saved published config); the published configs always have it.
+    lin = text.obj("linear_attn_config") if text.has("linear_attn_config") else None
 
     num_layers = text.int("num_hidden_layers")
     hidden = text.int("hidden_size")
-    kinds = _layer_kinds(text, num_layers)
+    kinds = _layer_kinds(text, lin, num_layers)
+    first_k_dense, moe_freq = _dense_layout(text, num_layers)
 
     if text.bool("tie_word_embeddings", False) or top.bool("tie_word_embeddings", False):
         raise text.error("tie_word_embeddings", "true is not supported (Kimi checkpoints have an untied lm_head)")
     if text.int("num_nextn_predict_layers", 0, minimum=0):
         raise text.error("num_nextn_predict_layers", "MTP layers are not supported (expected 0)")
 
-    lin = text.obj("linear_attn_config")
-    kda_heads, kda_dim = lin.int("num_heads"), lin.int("head_dim")
-    lower_bound = lin.float("gate_lower_bound", None)
+    # K3's lower-bounded gate and full-rank output gate exist only in `linear_attn_config`; transformers'
+    # Kimi Linear implements the softplus gate and the low-rank output gate, which are the defaults.
+    lower_bound = lin.float("gate_lower_bound", None) if lin is not None else None
     if lower_bound is not None and lower_bound >= 0:
-        raise lin.error("gate_lower_bound", f"must be negative, found {lower_bound}")
+        raise lin.error("gate_lower_bound", f"must be negative, found {lower_bound}")  # type: ignore[union-attr]
     kda = KDAConfig(
-        num_heads=kda_heads,
-        head_dim=kda_dim,
-        conv_size=lin.int("short_conv_kernel_size"),
+        num_heads=_kda_field(text, lin, "num_heads", "linear_num_heads"),
+        head_dim=_kda_field(text, lin, "head_dim", "linear_head_dim"),
+        conv_size=_kda_field(text, lin, "short_conv_kernel_size", "linear_conv_kernel_dim"),
         gate_form="lower_bound_sigmoid" if lower_bound is not None else "softplus",
         gate_lower_bound=lower_bound,
-        full_rank_output_gate=lin.bool("use_full_rank_gate", False),
+        full_rank_output_gate=lin.bool("use_full_rank_gate", False) if lin is not None else False,
     )
 
-    if not text.bool("mla_use_nope", False):
-        raise text.error("mla_use_nope", "only NoPE MLA is supported (expected true; RoPE MLA is not implemented)")
+    # transformers' KimiLinearAttention is always NoPE and its config has no `mla_use_nope`; a published
+    # config (with `linear_attn_config`) must say it.
+    if not text.bool("mla_use_nope", ... if lin is not None else True):
+        raise text.error("mla_use_nope", "false is not supported (only NoPE MLA is implemented; expected true)")
+    if text.bool("attention_bias", False):
+        raise text.error("attention_bias", "true is not supported (Kimi MLA projections have no bias)")
     mla_heads = text.int("num_attention_heads")
     kv_heads = text.int("num_key_value_heads", mla_heads)
     if kv_heads != mla_heads:
@@ -325,7 +416,8 @@ def parse_config(data: dict[str, Any], where: str = "<config>", name: str = "") 
     act = text.expect("hidden_act", ("situ", "silu"))
     text.expect("moe_router_activation_func", ("sigmoid",), "sigmoid")
     text.expect("topk_method", ("noaux_tc",), "noaux_tc")
-    if text.bool("use_grouped_topk", False):
+    # transformers' router always runs the grouped selection (it has no use_grouped_topk switch).
+    if text.bool("use_grouped_topk", True):
         for key in ("num_expert_group", "topk_group"):
             if text.int(key, 1) != 1:
                 raise text.error(key, f"grouped top-k with more than one group is not supported, found {text.raw(key)}")
@@ -361,8 +453,8 @@ def parse_config(data: dict[str, Any], where: str = "<config>", name: str = "") 
         vocab_size=text.int("vocab_size"),
         rms_norm_eps=text.float("rms_norm_eps"),
         layer_kinds=kinds,
-        first_k_dense_replace=text.int("first_k_dense_replace", 0, minimum=0),
-        moe_layer_freq=text.int("moe_layer_freq", 1),
+        first_k_dense_replace=first_k_dense,
+        moe_layer_freq=moe_freq,
         dense_intermediate_size=text.int("intermediate_size"),
         activation=act,
         situ_beta=text.float("activation_situ_beta", 4.0),
@@ -373,8 +465,6 @@ def parse_config(data: dict[str, Any], where: str = "<config>", name: str = "") 
         moe=moe,
         source=where,
     )
-    if config.first_k_dense_replace > num_layers:
-        raise text.error("first_k_dense_replace", f"{config.first_k_dense_replace} exceeds num_hidden_layers={num_layers}")
     if config.activation == "situ" and config.situ_beta <= 0:
         raise text.error("activation_situ_beta", f"must be positive, found {config.situ_beta}")
     return config

@@ -1,0 +1,60 @@
+"""Greedy generation with the reference decode step: the prompt is fed one token per decode step
+(exactly the step the megakernel will run), then each step's argmax is fed back.
+
+This is the end-to-end check of the whole numerics path on real-shaped inputs today, and the
+oracle the compiled kernel's generations will be compared with later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from k3mk.compiler.config import ModelConfig
+from k3mk.compiler.ops import k3mk
+from k3mk.compiler.reference import DecodeStep
+
+
+def build_decode_step(config: ModelConfig, weights: dict[str, Tensor], dtype: torch.dtype) -> DecodeStep:
+    """A DecodeStep that holds `weights` themselves (on their device), without a second copy: the
+    module is built on the meta device and the loaded tensors are assigned as its buffers."""
+    step = DecodeStep(config, dtype=dtype, device="meta")
+    step.load_state_dict(weights, strict=True, assign=True)
+    return step
+
+
+@torch.no_grad()
+def greedy_generate(
+    step: DecodeStep,
+    prompt: Sequence[int],
+    steps: int,
+    on_step: Callable[[int, int], None] | None = None,
+) -> list[int]:
+    """Feed `prompt` one token per decode step, then generate `steps` tokens greedily (lowest index
+    wins a tie, as in the kernel's argmax). Returns the new tokens only. `on_step(done, total)` is
+    called after every decode step, for progress reports.
+
+    The state is sized for len(prompt) + steps tokens of context."""
+    if not prompt or steps < 1:
+        raise ValueError("greedy_generate needs a non-empty prompt and steps >= 1")
+    device = step.w("lm_head.weight").device
+    state = step.new_state(1, len(prompt) + steps, device=device)
+    total = len(prompt) + steps - 1  # the last generated token is never fed back
+
+    def feed(token: int, position: int) -> Tensor:
+        nonlocal state
+        logits, state = step(torch.tensor([token], device=device), torch.tensor([position], device=device), state)
+        if on_step is not None:
+            on_step(position + 1, total)
+        return logits
+
+    for position, token in enumerate(prompt):
+        logits = feed(token, position)
+    generated: list[int] = []
+    for i in range(steps):
+        generated.append(int(k3mk.argmax(logits)[0]))
+        if i + 1 < steps:
+            logits = feed(generated[-1], len(prompt) + i)
+    return generated
