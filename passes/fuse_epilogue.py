@@ -4,6 +4,11 @@
     gated_rmsnorm(o, linear(x, W_g), w)                  -> linear_gated_rmsnorm   (KDA o_norm, spec 3.2)
     router_topk(linear(x, W_gate, fp32=True), bias)      -> router                 (spec 5.2, one task)
 
+The router fusion makes ONE task stream the whole [E, d] gate matrix, on the critical path of every
+MoE layer, so it is applied only while that matrix is small (ROUTER_FUSE_MAX_BYTES: ~7 us at one SM's
+share of an H200's bandwidth). Larger routers (Kimi Linear 1.2 MB, K3 12.8 MB) keep a row-tiled fp32
+GEMV spread over all SMs and a one-task router_topk.
+
 Guarantees: exact; the GEMV's result is consumed in registers. The fused ops are written without a norm
 prologue (`norm_eps=None`); `fuse_norm` adds it where the GEMV's input is an rmsnorm.
 """
@@ -36,6 +41,9 @@ EPILOGUES: dict[type[Op], Epilogue] = {
 }
 
 
+ROUTER_FUSE_MAX_BYTES = 256 * 1024
+
+
 def fuse_epilogue(graph: Graph) -> Graph:
     rw = Rewriter(graph, "fuse_epilogue")
     counts: Counter[str] = Counter()
@@ -46,6 +54,8 @@ def fuse_epilogue(graph: Graph) -> Graph:
         gemv = rw.produced_for(consumer.inputs[rule.gemv_operand], consumer, (Linear,))
         extras = rule.extras(consumer.inputs)
         if gemv is None or gemv.op.fp32 != rule.fp32 or gemv.outputs[0] in extras:
+            continue
+        if isinstance(consumer.op, RouterTopK) and graph.tensors[gemv.inputs[1]].nbytes > ROUTER_FUSE_MAX_BYTES:
             continue
         op = rule.fused(consumer.op)
         rw.replace([gemv, consumer], [rw.node(gemv.name, op, (*gemv.inputs, *extras), consumer.outputs, f"{gemv.name}+{consumer.name}")])

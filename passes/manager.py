@@ -45,6 +45,8 @@ class Target:
     bandwidth: float = 4.8e12  # NOMINAL HBM bytes/s (not measured)
     flop_rate: float = 0.989e15  # dense bf16 flop/s
     device_name: str = "H200"
+    event_latency: float = 1.0e-6  # producer signal -> waiting SM sees it (measured 1.02 us/hop on an H200, docs/megakernel.md)
+    task_overhead: float = 0.3e-6  # per task, not overlapped (cost-model guess)
 
     @staticmethod
     def for_arch(config: ModelConfig, arch: str = "sm_90a", **fields: Any) -> "Target":
@@ -87,7 +89,8 @@ class LazyPass:
 
 PIPELINE: list[LazyPass] = [
     LazyPass(name)
-    for name in ("tp_shard", "fuse", "tile", "plan_memory", "build_events", "check_events", "schedule", "emit_task_table")
+    # check_deadlock after schedule: the per-SM lists (program order + events) must complete.
+    for name in ("tp_shard", "fuse", "tile", "plan_memory", "build_events", "check_events", "schedule", "check_deadlock", "emit_task_table")
 ]
 
 

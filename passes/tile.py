@@ -387,8 +387,12 @@ def _mla_decode(ctx: Context, node: Node) -> list[Task]:
                 Operand(node.outputs[0], (sub(o, {0: (b, b + 1), 1: (c, c + 1)}),), part=sub(o, {0: (0, 1), 1: (c, c + 1)})),
                 Operand(node.outputs[1], (sub(lse, {0: (b, b + 1), 1: (c, c + 1)}),), part=sub(lse, {0: (0, 1), 1: (c, c + 1)})),
             ]
-            flops = 4 * heads * math.ceil(t_max / chunks) * width
-            tasks.append(ctx.task(node, {"request": b, "chunk": c}, args, results, flops=flops))
+            rows = math.ceil(t_max / chunks)
+            task = ctx.task(node, {"request": b, "chunk": c}, args, results, flops=4 * heads * rows * width)
+            # It declares request b's whole cache but reads only its chunk's rows (at full context).
+            cache_bytes = rows * width * ctx.tensor(node.inputs[1]).dtype.itemsize
+            task.activation_bytes = cache_bytes + sum(ctx.box_bytes(r.tensor, r.box) for r in task.writes) + ctx.box_bytes(node.inputs[0], args[0])
+            tasks.append(task)
     return tasks
 
 
@@ -404,7 +408,11 @@ def _batch_rows(ctx: Context, node: Node) -> list[Task]:
         args = {i: sub(ctx.shape(name), {0: (b, b + 1)}) for i, name in enumerate(node.inputs) if not ctx.is_weight(name)}
         results = [sub(ctx.shape(o), {0: (b, b + 1)}) for o in node.outputs]
         weight_bytes = ctx.shape(node.inputs[0])[1] * ctx.tensor(node.inputs[0]).dtype.itemsize if row_weights else None
-        tasks.append(ctx.task(node, {"batch": b}, args, results, weight_bytes=weight_bytes))
+        task = ctx.task(node, {"batch": b}, args, results, weight_bytes=weight_bytes)
+        if node.op.name == "mla_cache_write":  # declares request b's whole cache, moves one row
+            row = ctx.shape(node.inputs[1])[1] * ctx.tensor(node.inputs[1]).dtype.itemsize
+            task.activation_bytes = 2 * row
+        tasks.append(task)
     return tasks
 
 

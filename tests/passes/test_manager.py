@@ -33,7 +33,7 @@ def break_shape(g: Graph, target: Target) -> Graph:
 
 def test_pipeline_order_is_the_design_order():
     assert [p.name for p in PIPELINE] == [
-        "tp_shard", "fuse", "tile", "plan_memory", "build_events", "check_events", "schedule", "emit_task_table",
+        "tp_shard", "fuse", "tile", "plan_memory", "build_events", "check_events", "schedule", "check_deadlock", "emit_task_table",
     ]
 
 
