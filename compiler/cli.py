@@ -203,9 +203,38 @@ def _check_checkpoint_config(config: ModelConfig, checkpoint: Path) -> None:
         )
 
 
+# --- compile -----------------------------------------------------------------------------------------
+
+
+def _add_compile(subparsers: argparse._SubParsersAction) -> None:
+    from k3mk.compiler.pipeline import add_compile_arguments
+
+    p = subparsers.add_parser(
+        "compile",
+        help="compile a model's decode step for a tensor-parallel degree",
+        description=(
+            "Capture MODEL's decode step and run the compile pipeline (tensor-parallel sharding, fusion, "
+            "tiling, memory plan, events and their static check, per-SM schedule, task table). Prints a summary: "
+            "tasks and bytes per SM, the cost model's predicted step time and the roofline at the target's "
+            "NOMINAL bandwidth. With --dump, writes the IR after every pass and the schedule; with --arch and "
+            "--out, writes the compiled artifact."
+        ),
+        epilog="examples:\n\n  k3mk compile --model kimi-k3 --tp 8 --arch sm_100a\n  k3mk compile --model k3-tiny --max-tokens 4 --dump /tmp/k3-tiny-ir",
+        formatter_class=_Formatter,
+    )
+    add_compile_arguments(p)
+    p.set_defaults(run=_run_compile)
+
+
+def _run_compile(args: argparse.Namespace) -> int:
+    from k3mk.compiler.pipeline import run_compile
+
+    return run_compile(args)
+
+
 # --- the command -------------------------------------------------------------------------------------
 
-SUBCOMMANDS: Sequence[Callable[[argparse._SubParsersAction], None]] = (_add_random_checkpoint, _add_generate)
+SUBCOMMANDS: Sequence[Callable[[argparse._SubParsersAction], None]] = (_add_random_checkpoint, _add_generate, _add_compile)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -213,8 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="k3mk",
         description=(
             "k3mk: an ahead-of-time compiler of the Kimi K3 / Kimi Linear decode step into one persistent GPU "
-            "megakernel. Today it parses model configs, reads and writes checkpoints, and runs the reference "
-            "decode step (the compiler's numerics oracle)."
+            "megakernel: it parses model configs, reads and writes checkpoints, runs the reference decode step "
+            "(the compiler's numerics oracle) and compiles the step into a task table and a CuTe DSL kernel."
         ),
         epilog="run 'k3mk COMMAND --help' for a command's options and an example",
         formatter_class=_Formatter,
@@ -231,7 +260,9 @@ def _is_reported(error: Exception) -> bool:
     traceback. CheckpointError counts only once the checkpoint module is loaded (it is imported lazily,
     with torch, so that `--help` and config errors stay fast)."""
     checkpoint = sys.modules.get("k3mk.compiler.checkpoint")
+    pipeline = sys.modules.get("k3mk.compiler.pipeline")
     kinds = (UsageError, ConfigError, OSError) + ((checkpoint.CheckpointError,) if checkpoint else ())
+    kinds += (pipeline.CompileError,) if pipeline else ()
     return isinstance(error, kinds)
 
 

@@ -144,3 +144,15 @@ def test_generate_bfloat16(capsys, checkpoint):
     status, out, err = run(capsys, *argv)
     assert status == 0, err
     assert 0 <= int(out) < 4096
+
+
+def test_compile_summary_and_errors(capsys, tmp_path):
+    """`k3mk compile` runs the pass pipeline on k3-tiny at TP2 and prints the summary; a degree that
+    does not divide the heads is a one-line error."""
+    assert main(["compile", "--model", "k3-tiny", "--tp", "2", "--max-tokens", "2", "--max-context", "64", "--until", "check_deadlock", "--dump", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "predicted step time" in out and "NOMINAL" in out
+    assert (tmp_path / "00_capture.txt").is_file() and any(tmp_path.glob("*_schedule.txt"))
+    assert main(["compile", "--model", "k3-tiny", "--tp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("k3mk: error:") and "3" in err and "\n" == err[-1] and err.count("\n") == 1
