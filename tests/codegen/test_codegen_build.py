@@ -102,3 +102,44 @@ def test_too_many_lists_for_target(tmp_path, cache):
 def test_compile_error_is_reported(cache):
     with pytest.raises(BuildError, match="compile for sm_90a failed"):
         compile_source("raise SystemExit('broken source')\n", "sm_90a")
+
+
+def _compile_in_another_process(source: str, cache_root: str) -> tuple[str, bool]:
+    import os
+
+    os.environ["K3MK_CACHE_DIR"] = cache_root
+    entry, info = compile_source(source, "sm_90a")
+    return str(entry), info["cache_hit"]
+
+
+def test_cache_misses_on_any_key_change(cache, monkeypatch):
+    """The key covers the source, the arch, the CuTe DSL version and the k3mk version."""
+    import k3mk.codegen.build as build_module
+
+    source = emit_source([OpVariant("rmsnorm", RmsnormParams(256, 2))])
+    base, _ = compile_source(source, "sm_90a")
+    other_source, info = compile_source(emit_source([OpVariant("rmsnorm", RmsnormParams(256, 4))]), "sm_90a")
+    assert other_source != base and not info["cache_hit"]
+    other_arch, info = compile_source(source, "sm_100a")
+    assert other_arch != base and not info["cache_hit"]
+    monkeypatch.setattr(build_module, "cutlass_dsl_version", lambda: "0.0.0-other")
+    other_dsl, info = compile_source(source, "sm_90a")
+    assert other_dsl != base and not info["cache_hit"]
+    monkeypatch.setattr(build_module, "K3MK_VERSION", "0.0.0-other")
+    other_k3mk, info = compile_source(source, "sm_90a")
+    assert other_k3mk not in (base, other_dsl) and not info["cache_hit"]
+
+
+def test_concurrent_compiles_of_one_key_give_one_good_artifact(cache):
+    """Two processes compile the same key at once: the per-key lock makes one compile and the other
+    hit its entry; the entry is whole and no temporary directory is left."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    source = emit_source([OpVariant("rmsnorm", RmsnormParams(128, 3))])
+    with ProcessPoolExecutor(2) as pool:
+        results = list(pool.map(_compile_in_another_process, [source, source], [str(cache), str(cache)]))
+    (entry_a, hit_a), (entry_b, hit_b) = results
+    assert entry_a == entry_b and sorted([hit_a, hit_b]) == [False, True]
+    info = json.loads((Path(entry_a) / "info.json").read_text())
+    assert (Path(entry_a) / "megakernel.sm_90a.cubin").read_bytes()[:4] == b"\x7fELF" and info["arch"] == "sm_90a"
+    assert not list(cache.glob("kernels/*.tmp-*"))
