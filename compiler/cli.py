@@ -12,6 +12,7 @@ Results go to stdout; progress goes to stderr, so stdout stays machine-readable.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import time
@@ -232,9 +233,52 @@ def _run_compile(args: argparse.Namespace) -> int:
     return run_compile(args)
 
 
+# --- inspect -----------------------------------------------------------------------------------------
+
+
+def _add_inspect(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "inspect",
+        help="summarise a compiled artifact directory",
+        description=(
+            "Read an artifact directory written by 'k3mk compile --out' (or found in the compile cache), check "
+            "its manifest against this k3mk's runtime (format and ABI versions, file hashes) and print what it "
+            "was compiled for and what it holds: target, model, kernel resources, task table and files."
+        ),
+        epilog="example:\n\n  k3mk inspect /tmp/k3-tiny-artifact",
+        formatter_class=_Formatter,
+    )
+    p.add_argument("artifact", type=Path, metavar="DIR", help="the artifact directory (it holds manifest.json)")
+    p.set_defaults(run=_run_inspect)
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, dict):
+        return f"{len(value)} entries" if len(value) > 6 else json.dumps(value, sort_keys=True)
+    if isinstance(value, list):
+        return f"{len(value)} items" if len(value) > 6 else json.dumps(value)
+    return str(value)
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    from k3mk.runtime.manifest import load_manifest
+
+    m = load_manifest(args.artifact)
+    print(f"artifact {m.path}")
+    for key in sorted(m.data):
+        if key not in ("files", "files_sha256"):
+            print(f"  {key}: {_describe(m.data[key])}")
+    print("files:")
+    for role in sorted(m.data.get("files", {})):
+        path = m.file(role)
+        m.read_file(role)  # checks the recorded hash
+        print(f"  {role}: {path.name} ({path.stat().st_size:,} bytes, hash ok)")
+    return 0
+
+
 # --- the command -------------------------------------------------------------------------------------
 
-SUBCOMMANDS: Sequence[Callable[[argparse._SubParsersAction], None]] = (_add_random_checkpoint, _add_generate, _add_compile)
+SUBCOMMANDS: Sequence[Callable[[argparse._SubParsersAction], None]] = (_add_random_checkpoint, _add_generate, _add_compile, _add_inspect)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -263,6 +307,8 @@ def _is_reported(error: Exception) -> bool:
     pipeline = sys.modules.get("k3mk.compiler.pipeline")
     kinds = (UsageError, ConfigError, OSError) + ((checkpoint.CheckpointError,) if checkpoint else ())
     kinds += (pipeline.CompileError,) if pipeline else ()
+    manifest = sys.modules.get("k3mk.runtime.manifest")
+    kinds += (manifest.ArtifactError,) if manifest else ()
     return isinstance(error, kinds)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 from importlib import resources
 
 import pytest
@@ -156,3 +157,25 @@ def test_compile_summary_and_errors(capsys, tmp_path):
     assert main(["compile", "--model", "k3-tiny", "--tp", "3"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("k3mk: error:") and "3" in err and "\n" == err[-1] and err.count("\n") == 1
+
+
+def test_inspect_artifact(capsys, tmp_path, monkeypatch):
+    """`k3mk inspect` summarises a built artifact and checks its file hashes; a tampered file is a
+    one-line error."""
+    pytest.importorskip("cutlass", reason="building an artifact needs nvidia-cutlass-dsl (the compile extra)")
+    from k3mk.codegen.build import build
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+    from megakernel_cases import all_cases
+
+    monkeypatch.setenv("K3MK_CACHE_DIR", str(tmp_path / "cache"))
+    out = build(all_cases()["gemv_b1"].builder.table(), tmp_path / "artifact", arch="sm_90a")
+    assert main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "arch: sm_90a" in text and "cubin" in text and "hash ok" in text
+    cubin = next(out.glob("*.cubin"))
+    blob = bytearray(cubin.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    cubin.write_bytes(bytes(blob))
+    assert main(["inspect", str(out)]) == 2
+    assert "does not match the hash" in capsys.readouterr().err
