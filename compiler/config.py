@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-PRESETS = ("kimi-k3", "kimi-k3-0.40b", "kimi-linear-48b-a3b", "k3-tiny", "k3-proxy-16l", "k3-proxy-16l-bf16")
+PRESETS = ("kimi-k3", "kimi-k3-0.40b", "kimi-linear-48b-a3b", "k3-tiny", "kimi-linear-tiny", "k3-proxy-16l", "k3-proxy-16l-bf16")
 
 
 class ConfigError(ValueError):

@@ -20,24 +20,7 @@ from k3mk.ir.interpreter import run
 MAX_CONTEXT = 12
 
 
-def kimi_linear_small() -> ModelConfig:
-    """Kimi Linear's architecture (classic residual, softplus gate, low-rank output gate, plain q_proj,
-    SwiGLU, MoE on hidden, routed scaling 2.446) at test size; head counts divide by 4 for TP tests."""
-    c = load_config("kimi-linear-48b-a3b")
-    return c.replace(
-        name="kimi-linear-small",
-        hidden_size=256,
-        num_layers=4,
-        layer_kinds=("kda", "kda", "mla", "kda"),
-        vocab_size=1024,
-        dense_intermediate_size=384,
-        kda=dataclasses.replace(c.kda, num_heads=4, head_dim=32),
-        mla=dataclasses.replace(c.mla, num_heads=4, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32),
-        moe=dataclasses.replace(c.moe, num_experts=8, top_k=2, intermediate_size=64),
-    )
-
-
-CONFIGS = {"k3-tiny": lambda: load_config("k3-tiny"), "kimi-linear-small": kimi_linear_small}
+CONFIGS = {"k3-tiny": lambda: load_config("k3-tiny"), "kimi-linear-small": lambda: load_config("kimi-linear-tiny")}
 
 
 @functools.cache

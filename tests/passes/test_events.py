@@ -28,21 +28,7 @@ from k3mk.passes.tile import tile
 from k3mk.passes.tp_shard import tp_shard
 
 
-def kimi_linear_small():
-    c = load_config("kimi-linear-48b-a3b")
-    return c.replace(
-        hidden_size=256,
-        num_layers=4,
-        layer_kinds=("kda", "mla", "kda", "mla"),
-        vocab_size=1024,
-        dense_intermediate_size=384,
-        kda=dataclasses.replace(c.kda, num_heads=2),
-        mla=dataclasses.replace(c.mla, num_heads=4, kv_lora_rank=128),
-        moe=dataclasses.replace(c.moe, num_experts=8, top_k=3, intermediate_size=64),
-    )
-
-
-CONFIGS = {"k3-tiny": lambda: load_config("k3-tiny"), "kimi-linear-small": kimi_linear_small}
+CONFIGS = {"k3-tiny": lambda: load_config("k3-tiny"), "kimi-linear-small": lambda: load_config("kimi-linear-tiny")}
 TARGET = Target.for_arch(load_config("k3-tiny"), num_sms=8)
 
 

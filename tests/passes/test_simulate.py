@@ -190,23 +190,7 @@ def test_sm_order_reports_a_deadlock():
 # whole decode steps
 
 
-def kimi_linear_small():
-    """Kimi Linear 48B's architecture (plain residual, softplus gate, low-rank output gate, plain
-    q_proj, SwiGLU, MoE on hidden) at test size."""
-    c = load_config("kimi-linear-48b-a3b")
-    return c.replace(
-        hidden_size=256,
-        num_layers=4,
-        layer_kinds=("kda", "mla", "kda", "mla"),
-        vocab_size=1024,
-        dense_intermediate_size=384,
-        kda=dataclasses.replace(c.kda, num_heads=2),
-        mla=dataclasses.replace(c.mla, num_heads=4, kv_lora_rank=128),
-        moe=dataclasses.replace(c.moe, num_experts=8, top_k=3, intermediate_size=64),
-    )
-
-
-CONFIGS = {"k3-tiny": lambda: load_config("k3-tiny"), "kimi-linear-small": kimi_linear_small}
+CONFIGS = {"k3-tiny": lambda: load_config("k3-tiny"), "kimi-linear-small": lambda: load_config("kimi-linear-tiny")}
 
 
 @pytest.mark.parametrize("batch", [1, 4])
