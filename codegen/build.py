@@ -142,9 +142,13 @@ def build(
     config: KernelConfig = KernelConfig(),
     use_cache: bool = True,
     check: bool = True,
+    meta: dict | None = None,
+    extra_files: dict[str, str | bytes] | None = None,
 ) -> Path:
     """Write the artifact directory for `table` and return its path. `check=False` skips the task
-    table's validation (only for planted-fault tests: a table that deadlocks on purpose)."""
+    table's validation (only for planted-fault tests: a table that deadlocks on purpose). `meta`: more
+    manifest fields (the compiler's: model, TP degree, max tokens / context, weight format, ...);
+    `extra_files`: {role: text} written as files named by role (IR and schedule dumps), listed in "files"."""
     sm_count = sm_count or ARCH_SM_COUNT.get(arch, 0)
     if len(table.lists) > sm_count:
         raise BuildError(f"{len(table.lists)} task lists but the target has {sm_count} SMs (one CTA per SM)")
@@ -189,6 +193,8 @@ def build(
         "arena_bytes": table.arena_bytes,
         "buffers": [asdict(b) for b in table.buffers],
         "weights": [asdict(w) for w in table.weights],
+        "states": [asdict(st) for st in table.states],
+        "pointer_table": "weights then states: entry i < len(weights) is weights[i], else states[i - len(weights)]",
         "variants": [v.to_json() for v in table.variants],
         "files": {"cubin": cubin_name, "task_table": "task_table.bin", "source": "megakernel.py",
                   "ptx": f"megakernel.{arch}.ptx"},
@@ -196,6 +202,13 @@ def build(
         "compile": {k: info.get(k) for k in ("compile_seconds", "import_seconds", "wall_seconds", "cache_hit",
                                               "registers", "stack_bytes", "spill_store_bytes", "spill_load_bytes")},
     }  # fmt: skip
+    for role, blob in (extra_files or {}).items():
+        (out / role).write_bytes(blob.encode() if isinstance(blob, str) else blob)
+        manifest["files"][role] = role
+    for key, value in (meta or {}).items():
+        if key in manifest:
+            raise BuildError(f"manifest field {key!r} is the build's own")
+        manifest[key] = value
     tmp = out / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, out / "manifest.json")

@@ -143,7 +143,8 @@ class TableBuilder(KdaOpsMixin, MoeMlaOpsMixin):
         vocab, dim = self.weights[table].shape
         opcode = self._opcode("embedding", EmbeddingParams(dim, vocab, ids.shape[0]))
         ev = self.event(name)
-        self._emit(opcode, {"ids": ids.offset, "out": out.offset, "table": table}, wait, ev, f"{name}[0]", None)
+        self._emit(opcode, {"ids": ids.offset, "out": out.offset, "table": table, "batch_count": ids.shape[0]}, wait, ev,
+                   f"{name}[0]", None)
         t_name = self.weights[table].name
         self._steps.append(lambda env, w: env.__setitem__(out.name, semantics.embedding(w[t_name], env[ids.name].long())))
         return ev

@@ -48,7 +48,9 @@ class CompileResult:
     @property
     def graph(self) -> Graph:
         """The last IR graph (the one the tasks implement, once there are tasks)."""
-        return self.output.graph if isinstance(self.output, TaskGraph) else self.output
+        out = self.output
+        out = getattr(out, "task_graph", out)  # an EmittedTable: the task graph it came from
+        return out.graph if isinstance(out, TaskGraph) else out
 
 
 def make_target(config: ModelConfig, tp: int, max_tokens: int, max_context: int, dtype: torch.dtype, arch: str) -> Target:
@@ -138,7 +140,8 @@ def summary(result: CompileResult) -> str:
     if counts:
         lines.append("collectives per step: " + ", ".join(f"{k} x{len(v)} ({_bytes(sum(v))} results)" for k, v in sorted(counts.items())))
 
-    tg = result.output if isinstance(result.output, TaskGraph) else None
+    out = getattr(result.output, "task_graph", result.output)
+    tg = out if isinstance(out, TaskGraph) else None
     if tg is not None and tg.sm_lists:
         per_sm = [len(ts) for ts in tg.sm_lists]
         sm_bytes = tg.meta.get("sm_bytes") or [sum(tg.tasks[i].weight_bytes for i in ts) for ts in tg.sm_lists]
@@ -197,15 +200,85 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", choices=tuple(ARCHS), default="sm_90a", help="target GPU architecture (default: sm_90a)")
     parser.add_argument("--dump", type=Path, metavar="DIR", help="write the IR after capture and after every pass to DIR/NN_<pass>.txt")
     parser.add_argument("--show-rank", type=int, metavar="R", help="also print which slice of every split tensor rank R loads")
+    parser.add_argument("--out", type=Path, metavar="DIR", help="build the megakernel artifact (cubin, task table, manifest) into DIR")
     parser.add_argument("--until", choices=[p.name for p in PIPELINE], metavar="PASS", help="stop after this pass (default: run every pass written so far)")
 
 
+def compile_artifact(
+    config: ModelConfig,
+    tp: int = 1,
+    max_tokens: int = 1,
+    max_context: int = 4096,
+    arch: str = "sm_90a",
+    out_dir: str | Path = "artifact",
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    progress: Callable[[str], None] | None = None,
+    result: CompileResult | None = None,
+) -> Path:
+    """The whole compile: capture, every pass through emit_task_table, then the CuTe DSL build of the
+    table's ONE megakernel (codegen/build.py) into `out_dir`: cubin, task table, generated source, the
+    IR after capture / fusion and the task schedule as text, and manifest.json with the compile target
+    (docs/megakernel.md "Artifact directory"). Returns the artifact directory."""
+    import hashlib
+    import json
+
+    from k3mk.codegen.build import build
+    from k3mk.passes.emit_task_table import EmittedTable
+
+    say = progress or (lambda line: None)
+    if tp != 1:
+        raise CompileError(f"--tp {tp}: the megakernel has no collective op kinds yet; artifacts are built for --tp 1")
+    if result is None:
+        result = compile_graph(config, tp, max_tokens, max_context, dtype, arch, None, say)
+    emitted = result.output
+    if not isinstance(emitted, EmittedTable):
+        raise CompileError(f"the pipeline stopped before emit_task_table (missing: {', '.join(result.missing) or 'none'})")
+    t0 = time.perf_counter()
+    graph = emitted.task_graph.graph
+    kinds = sorted({n.op.name for n in graph.nodes})
+    weight_format = "mxfp4" if any("mxfp4" in k for k in kinds) else "bfloat16"
+    kv = [t for t in graph.by_role(Role.STATE) if t.name.endswith("kv_cache")]
+    meta = {
+        "model": config.name,
+        "config_hash": graph.meta.get("config") or hashlib.sha256(repr(config).encode()).hexdigest()[:16],
+        "tp": tp,
+        "max_tokens": max_tokens,
+        "max_context": max_context,
+        "activation_dtype": str(dtype).removeprefix("torch."),
+        "weight_format": weight_format,
+        "kv_dtype": str(kv[0].dtype).removeprefix("torch.") if kv else None,
+        "state_layouts": {st.name: {"dtype": st.dtype, "shape": list(st.shape), "layout": st.layout} for st in emitted.table.states},
+        "step_inputs": {b.name: {"dtype": b.dtype, "shape": list(b.shape)} for b in emitted.table.buffers if b.role == "input"},
+        "step_outputs": {b.name: {"dtype": b.dtype, "shape": list(b.shape)} for b in emitted.table.buffers if b.role == "output"},
+        "fusions": graph.meta.get("fusions", []),
+        "predicted_step_s": emitted.task_graph.meta.get("predicted_step_s"),
+    }
+    files = {
+        "ir_captured.txt": result.captured.text() if hasattr(result.captured, "text") else str(result.captured),
+        "ir_fused.txt": graph.text() if hasattr(graph, "text") else str(graph),
+        "schedule.txt": emitted.text(),
+        "compile_summary.txt": summary(result),
+    }
+    out = build(emitted.table, out_dir, arch=arch, sm_count=result.target.num_sms, meta=meta, extra_files=files)
+    say(f"build: {out} in {time.perf_counter() - t0:.1f} s")
+    return out
+
+
 def run_compile(args: argparse.Namespace) -> int:
-    """`k3mk compile`: progress to stderr, the summary (and --show-rank's view) to stdout."""
+    """`k3mk compile`: progress to stderr, the summary (and --show-rank's view) to stdout; with `--out`
+    (and `--arch`), the artifact directory too (`compile_artifact`)."""
     if args.show_rank is not None and not 0 <= args.show_rank < args.tp:
         raise CompileError(f"--show-rank {args.show_rank}: ranks are 0..{args.tp - 1} at --tp {args.tp}")
     config = load_config(args.model)
     progress = lambda line: print(f"k3mk: {line}", file=sys.stderr, flush=True)  # noqa: E731
+    out_dir = getattr(args, "out", None)
+    if out_dir is not None and args.until is None:
+        result = compile_graph(config, args.tp, args.max_tokens, args.max_context, torch.bfloat16, args.arch, args.dump, progress)
+        print(summary(result), end="")
+        path = compile_artifact(config, args.tp, args.max_tokens, args.max_context, args.arch, out_dir, progress=progress, result=result)
+        print(f"artifact: {path}")
+        return 0
     result = compile_graph(config, args.tp, args.max_tokens, args.max_context, torch.bfloat16, args.arch, args.dump, progress, args.until)
     print(summary(result), end="")
     if args.show_rank is not None:

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Mapping
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAGIC = 0x5454334B  # b"K3TT" little-endian
 HEADER_WORDS = 16
 TASK_WORDS = 32  # 128 bytes per task
@@ -295,7 +295,7 @@ OP_KINDS: Mapping[str, OpKind] = MappingProxyType(
                                         "weight_up", "o", "a_log", "dt_bias", "o_norm_weight", "residual2", "residual3",
                                         "residual4")),
             OpKind("rmsnorm", RmsnormParams, ("x", "out", "weight", "batch_begin", "batch_count")),
-            OpKind("embedding", EmbeddingParams, ("ids", "out", "table")),
+            OpKind("embedding", EmbeddingParams, ("ids", "out", "table", "batch_begin", "batch_count")),
             OpKind("argmax", ArgmaxParams, ("logits", "out", "batch_begin", "batch_count")),
             OpKind("add", AddParams, ("a", "b", "out", "begin", "count")),
             OpKind("kda_conv", KdaConvParams, ("q", "k", "v", "out_q", "out_k", "out_v", "state", "weight_q", "weight_k",
@@ -329,6 +329,8 @@ WEIGHT_OPERANDS |= {"weight_up", "a_log", "dt_bias", "o_norm_weight", "state", "
 # MoE / MLA operands. The MLA latent cache is decode state (pointer table, like the KDA state).
 ARENA_OPERANDS |= {"topk_weights", "positions", "q", "o", "lse"}
 WEIGHT_OPERANDS |= {"bias", "weight_up", "scale", "scale_up", "cache"}
+# Format 2: operands that index a STATE entry of the pointer table (after the weights).
+STATE_OPERANDS = frozenset({"state", "cache"})
 
 
 @dataclass(frozen=True)
@@ -398,13 +400,31 @@ class WeightSpec:
 
 
 @dataclass(frozen=True)
+class StateSpec:
+    """Format 2: decode state (KDA conv / recurrent state, MLA latent cache), bound by name and updated
+    in place by the kernel. Pointer-table entry `len(weights) + i` for states[i] (the kernel sees ONE
+    pointer table: weights, then states); operands `state` / `cache` hold that index."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    layout: str = ""  # human-readable layout, e.g. "[batch, width-1, 3*P] q|k|v channels"
+
+
+BUFFER_ROLES = ("activation", "input", "output")
+
+
+@dataclass(frozen=True)
 class BufferSpec:
-    """A named region of the activation arena (inputs the runtime fills, outputs it reads)."""
+    """A named region of the activation arena (inputs the runtime fills, outputs it reads).
+    Format 2: `role` says which (step inputs are written by the runtime before each launch, e.g. token
+    ids / positions as int32; step outputs read after it, e.g. logits / next_tokens)."""
 
     name: str
     offset: int  # bytes
     dtype: str
     shape: tuple[int, ...]
+    role: str = "activation"
 
     @property
     def nbytes(self) -> int:
@@ -425,6 +445,18 @@ class TaskTable:
     weights: list[WeightSpec] = field(default_factory=list)
     buffers: list[BufferSpec] = field(default_factory=list)
     arena_bytes: int = 0
+    states: list[StateSpec] = field(default_factory=list)  # format 2: pointer-table entries after the weights
+
+    @property
+    def num_pointers(self) -> int:
+        """Entries of the kernel's pointer table: the weights, then the states."""
+        return len(self.weights) + len(self.states)
+
+    def state_id(self, name: str) -> int:
+        for i, st in enumerate(self.states):
+            if st.name == name:
+                return len(self.weights) + i
+        raise KeyError(name)
 
     # ---- derived ------------------------------------------------------------------------
     @property
@@ -457,6 +489,8 @@ class TaskTable:
         for b in self.buffers:
             if b.dtype not in DTYPE_BYTES:
                 raise TaskTableError(f"buffer {b.name!r}: unknown dtype {b.dtype!r}")
+            if b.role not in BUFFER_ROLES:
+                raise TaskTableError(f"buffer {b.name!r}: unknown role {b.role!r}")
             if b.offset % ARENA_ALIGN or b.offset < 0 or b.offset + b.nbytes > self.arena_bytes:
                 raise TaskTableError(f"buffer {b.name!r} [{b.offset}, +{b.nbytes}) outside arena {self.arena_bytes} or unaligned")
         for s, tasks in enumerate(self.lists):
@@ -473,8 +507,10 @@ class TaskTable:
                         raise TaskTableError(f"{where}: operand {name}={value} is not an int32")
                     if name in ARENA_OPERANDS and (value < 0 or value >= max(self.arena_bytes, 1) or value % ARENA_ALIGN):
                         raise TaskTableError(f"{where}: arena offset {name}={value} out of range or not {ARENA_ALIGN}-aligned")
-                    if name in WEIGHT_OPERANDS and not 0 <= value < len(self.weights):
-                        raise TaskTableError(f"{where}: weight id {name}={value} out of range ({len(self.weights)} weights)")
+                    if name in WEIGHT_OPERANDS and not 0 <= value < self.num_pointers:
+                        raise TaskTableError(f"{where}: weight id {name}={value} out of range (pointer table: {len(self.weights)} weights + {len(self.states)} states)")
+                    if name in STATE_OPERANDS and self.states and value < len(self.weights):
+                        raise TaskTableError(f"{where}: {name}={value} is a weight id, the table declares states")
                 if len(t.wait) > 2:
                     raise TaskTableError(f"{where}: at most 2 waits, got {len(t.wait)}")
                 for e in (*t.wait, *(() if t.signal is None else (t.signal,))):
@@ -568,6 +604,7 @@ class TaskTable:
             "weights": [asdict(w) for w in self.weights],
             "buffers": [asdict(b) for b in self.buffers],
             "arena_bytes": self.arena_bytes,
+            "states": [asdict(st) for st in self.states],
         }
 
     @staticmethod
@@ -605,8 +642,9 @@ class TaskTable:
             lists=lists,
             events=events,
             weights=[WeightSpec(w["name"], w["dtype"], tuple(w["shape"])) for w in meta["weights"]],
-            buffers=[BufferSpec(b["name"], b["offset"], b["dtype"], tuple(b["shape"])) for b in meta["buffers"]],
+            buffers=[BufferSpec(b["name"], b["offset"], b["dtype"], tuple(b["shape"]), b.get("role", "activation")) for b in meta["buffers"]],
             arena_bytes=meta["arena_bytes"],
+            states=[StateSpec(st["name"], st["dtype"], tuple(st["shape"]), st.get("layout", "")) for st in meta.get("states", [])],
         )
         eo = hdr[H_EVENTS_OFFSET]
         if list(words[eo : eo + hdr[H_NUM_EVENTS]]) != table.event_counts():

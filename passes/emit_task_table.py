@@ -1,5 +1,5 @@
 """emit_task_table: the scheduled TaskGraph -> the binary task table the megakernel executes
-(ir/task_table.py, docs/task_table.md, format 1).
+(ir/task_table.py, docs/task_table.md, format 2).
 
 Input: a TaskGraph after schedule (every task on one SM list, at most 2 waits and 1 signal per task
 as build_events guarantees). Output: an `EmittedTable` holding the `TaskTable`, its encoded bytes and
@@ -9,23 +9,25 @@ the TaskGraph it came from; its `verify()` decodes the bytes and checks they giv
   which must equal the expected count the waiters carry (checked here: a miscount is a hang);
 - weights: one entry per IR WEIGHT tensor, sorted by name (the order the manifest lists; weights are
   bound by name at load time, a weight operand is an index into this table);
-- buffers: every arena tensor at its planned offset. Step inputs and outputs that a task reads or
-  writes are placed after the activations ("io" bytes): format 1 addresses them as arena buffers that
-  the runtime fills and reads by name;
+- states (format 2): one entry per IR STATE tensor (KDA conv / recurrent state, MLA latent cache),
+  sorted by name, pointer-table entries after the weights; the STATE_OUT of a state is the same entry
+  (updated in place);
+- buffers: every arena tensor at its planned offset; step inputs and outputs that a task reads or
+  writes are placed after the activations with role "input" / "output" (token ids and positions as
+  int32: the IR's int64 step inputs are converted by the runtime);
+- router results (expert ids, weights): own slots after the io, never reused (readable after a step);
 - one table task per TaskGraph task, labelled `t<id> <node>`, its opcode the index of its
   (op kind, compile-time constants) variant, deduplicated.
 Each task's recipe (`task.op`, `task.args`, `task.results`: ir/tasks.py) is lowered by the rule for
 its op kind in `LOWER`; a kind without a rule, or a tile a rule cannot express, is an EmitError that
 names every such kind (with counts) or the task.
 
-Format 1 has op kinds for gemv (plain, rmsnorm prologue, one residual), rmsnorm, embedding, argmax and
-add only. What the full models need beyond that (found lowering k3-tiny and a small Kimi Linear):
-op kinds for the other recipe kinds tile.py makes (kda_conv, kda_recurrence, linear_kda_gate,
-linear_gated_rmsnorm, linear_sigmoid_gate, gated_linear, router, expert_gated_linear(_mxfp4),
-expert_linear(_mxfp4)_combine, mla_latent, mla_cache_write, mla_q_absorb, mla_decode, mla_v_up,
-attn_res, the collectives); operands for decode state (engine-owned buffers outside the arena: a state
-table like the weight table); float32 activations; batch ranges for embedding (tile.py makes a task
-per batch row); int64 step inputs (the IR's token_ids / positions; embedding reads int32 ids).
+Lowering notes: the fused GEMV family (linear, rmsnorm_linear, linear_residual with 1..4 residuals,
+gated_linear, linear_sigmoid_gate, linear_kda_gate, linear_gated_rmsnorm) becomes `gemv` variants
+(prologue + epilogue in GemvParams); mla_latent becomes the `mla_latent` op that also writes the
+latent cache row (the cache and positions come from the mla_cache_write node that consumes it), and
+mla_cache_write a `nop` that keeps the graph's events (it waits on the latent task and signals the
+decode tasks). Collectives (tp > 1) have no op kind yet.
 """
 
 from __future__ import annotations
@@ -35,20 +37,34 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from k3mk.ir.graph import Graph, Role
+from k3mk.ir.ops import SiluMul, SituMul
 from k3mk.ir.task_table import (
+    MAX_ATTN_RES_SOURCES,
     AddParams,
     ArgmaxParams,
+    AttnResParams,
     BufferSpec,
     EmbeddingParams,
     Event,
+    ExpertCombineParams,
+    ExpertGatedParams,
     GemvParams,
+    KdaConvParams,
+    KdaRecurrenceParams,
+    MlaDecodeParams,
+    MlaLatentParams,
+    MlaQAbsorbParams,
+    MlaVUpParams,
+    NopParams,
     OpVariant,
     RmsnormParams,
+    RouterParams,
+    StateSpec,
     Task,
     TaskTable,
     WeightSpec,
 )
-from k3mk.ir.tasks import Operand, TaskGraph, byte_runs
+from k3mk.ir.tasks import Operand, TaskGraph, buffer_name, byte_runs
 from k3mk.ir.tasks import Task as GraphTask
 
 IO_ALIGN = 256  # as the arena plan's slots (passes/plan_memory.ALIGN)
@@ -70,6 +86,13 @@ class _Context:
     graph: Graph
     offsets: dict[str, int]  # arena byte offset of every activation and io tensor
     weight_ids: dict[str, int]
+    state_ids: dict[str, int]  # pointer-table index of every state (after the weights)
+
+    def state(self, task: GraphTask, name: str) -> int:
+        base = buffer_name(self.graph, name)
+        if base not in self.state_ids:
+            raise EmitError(f"task t{task.id} ({task.node}): '{name}' is not decode state")
+        return self.state_ids[base]
 
     def arena(self, task: GraphTask, name: str) -> int:
         if name not in self.offsets:
@@ -84,20 +107,26 @@ class _Context:
 
     def whole(self, task: GraphTask, a: Operand) -> None:
         if a.boxes != (tuple((0, s) for s in self.shape(a)),):
-            raise EmitError(f"task t{task.id} ({task.node}): format 1 needs all of '{a.tensor}', the tile has {a.text()}")
+            raise EmitError(f"task t{task.id} ({task.node}): format 2 needs all of '{a.tensor}', the tile has {a.text()}")
 
     def dtype(self, task: GraphTask, a: Operand, allowed: tuple[str, ...] = ("bfloat16",)) -> str:
         name = dtype_name(self.graph.tensors[a.tensor].dtype)
         if name not in allowed:
-            raise EmitError(f"task t{task.id} ({task.node}): '{a.tensor}' is {name}, format 1 takes {' or '.join(allowed)}")
+            raise EmitError(f"task t{task.id} ({task.node}): '{a.tensor}' is {name}, format 2 takes {' or '.join(allowed)}")
         return name
+
+    def io_dtype(self, task: GraphTask, a: Operand) -> None:
+        """Step inputs the kernel reads as int32 (token ids, positions): int64 in the IR, int32 in the arena."""
+        t = self.graph.tensors[a.tensor]
+        if t.role != Role.INPUT or dtype_name(t.dtype) not in ("int32", "int64"):
+            raise EmitError(f"task t{task.id} ({task.node}): '{a.tensor}' must be an int step input")
 
 
 def _rows(task: GraphTask, out: Operand, ctx: _Context) -> tuple[int, int]:
     """The (begin, count) of dim 0 of a result box that is whole along every other dim."""
     (box,) = out.boxes
     if any(b != (0, s) for b, s in zip(box[1:], ctx.shape(out)[1:])):
-        raise EmitError(f"task t{task.id} ({task.node}): format 1 tiles {out.tensor} by batch rows only, the tile has {out.text()}")
+        raise EmitError(f"task t{task.id} ({task.node}): format 2 tiles {out.tensor} by batch rows only, the tile has {out.text()}")
     return box[0][0], box[0][1] - box[0][0]
 
 
@@ -107,46 +136,91 @@ def _rows(task: GraphTask, out: Operand, ctx: _Context) -> tuple[int, int]:
 Lowered = tuple[OpVariant, dict[str, int]]
 
 
+RESIDUAL_OPERANDS = ("residual", "residual2", "residual3", "residual4")
+
+
 def _gemv(task: GraphTask, ctx: _Context) -> Lowered:
-    """linear / rmsnorm_linear / linear_residual with one residual: rows [r0, r1) of out, all batch rows."""
-    op, args = task.op, task.args
-    norm = residual = None
-    if op.name == "linear":
+    """The fused GEMV family: rows [r0, r1) of out, all batch rows; prologue / epilogue per op kind."""
+    op, args = task.op, list(task.args)
+    name = op.name
+    norm = None
+    extra: dict[str, Any] = {}
+    operands: dict[str, int] = {}
+    residuals: list[Operand] = []
+    if name == "linear":
         x, w = args
-    elif op.name == "rmsnorm_linear":
+    elif name == "rmsnorm_linear":
         x, norm, w = args
-    elif len(args) == 3:  # linear_residual with one residual
-        residual, x, w = args
-    else:
-        raise EmitError(f"task t{task.id} ({task.node}): format 1's gemv adds one residual, the task adds {len(args) - 2}")
+        extra["eps"] = op.eps
+    elif name == "linear_residual":
+        *residuals, x, w = args
+        if not 1 <= len(residuals) <= len(RESIDUAL_OPERANDS):
+            raise EmitError(f"task t{task.id} ({task.node}): gemv adds 1..4 residuals, the task adds {len(residuals)}")
+    else:  # NormPrologue ops: x, [norm], rest
+        norm_eps = getattr(op, "norm_eps", None)
+        x = args.pop(0)
+        if norm_eps is not None:
+            norm = args.pop(0)
+            extra["eps"] = norm_eps
+        if name == "gated_linear":
+            w, w_up = args
+            operands["weight_up"] = ctx.weight(w_up.tensor)
+            act = op.activation
+            if isinstance(act, SituMul):
+                extra.update(epilogue="situ_mul", beta=act.beta, linear_beta=act.linear_beta)
+            elif isinstance(act, SiluMul):
+                extra["epilogue"] = "silu_mul"
+            else:
+                raise EmitError(f"task t{task.id} ({task.node}): no gemv epilogue for activation {act}")
+        elif name == "linear_sigmoid_gate":
+            w, o = args
+            extra["epilogue"] = "sigmoid_gate"
+            operands["o"] = ctx.arena(task, o.tensor)
+            ctx.dtype(task, o)
+        elif name == "linear_kda_gate":
+            w, a_log, dt_bias = args
+            out_shape = ctx.shape(task.results[0])
+            extra.update(epilogue="kda_gate", out_dtype="float32", head_dim=out_shape[2], lower_bound=op.lower_bound)
+            operands["a_log"] = ctx.weight(a_log.tensor)
+            operands["dt_bias"] = ctx.weight(dt_bias.tensor)
+        elif name == "linear_gated_rmsnorm":
+            w, o, o_norm = args
+            extra.update(epilogue="gated_rmsnorm", head_dim=op.head_dim, o_eps=op.eps)
+            operands["o"] = ctx.arena(task, o.tensor)
+            operands["o_norm_weight"] = ctx.weight(o_norm.tensor)
+            ctx.dtype(task, o)
+        else:
+            raise EmitError(f"task t{task.id} ({task.node}): no gemv lowering for {name}")
     if getattr(op, "fp32", False):
-        raise EmitError(f"task t{task.id} ({task.node}): format 1's gemv is bf16, the task computes in fp32")
+        extra["out_dtype"] = "float32"
     (out,) = task.results
-    batch, out_features = ctx.shape(out)
+    out_shape = ctx.shape(out)
+    batch = out_shape[0]
+    out_features = 1
+    for s in out_shape[1:]:
+        out_features *= s
     (box,) = out.boxes
-    (row_begin, row_end) = box[1]
-    if box[0] != (0, batch) or w.boxes[0][0] != (row_begin, row_end):
-        raise EmitError(f"task t{task.id} ({task.node}): format 1's gemv writes rows of all batch rows, the tile is {out.text()}")
-    ctx.whole(task, x)
-    for a in (x, out, *((residual,) if residual else ())):
-        ctx.dtype(task, a)
-    params = GemvParams(
-        in_features=ctx.shape(w)[1],
-        out_features=out_features,
-        batch=batch,
-        rmsnorm=norm is not None,
-        residuals=int(residual is not None),
-        **({"eps": op.eps} if norm is not None else {}),
-    )
-    operands = {
-        "x": ctx.arena(task, x.tensor),
-        "out": ctx.arena(task, out.tensor),
-        "weight": ctx.weight(w.tensor),
-        "row_begin": row_begin,
-        "row_count": row_end - row_begin,
-    }
-    if residual is not None:
-        operands["residual"] = ctx.arena(task, residual.tensor)
+    runs = byte_runs(tuple(box[1:]), out_shape[1:], 1)
+    if box[0] != (0, batch) or len(runs) != 1:
+        raise EmitError(f"task t{task.id} ({task.node}): gemv writes one row range of all batch rows, the tile is {out.text()}")
+    ((row_begin, row_end),) = runs
+    if w.boxes[0][0] != (row_begin, row_end) and extra.get("epilogue") != "gated_rmsnorm":
+        raise EmitError(f"task t{task.id} ({task.node}): weight rows {w.boxes[0][0]} != out rows {(row_begin, row_end)}")
+    if tuple(ctx.shape(w)) != (out_features, ctx.shape(x)[1]):
+        raise EmitError(f"task t{task.id} ({task.node}): weight {ctx.shape(w)} vs out {out_shape} / x {ctx.shape(x)}")
+    if x.boxes[0][0] != (0, batch) or x.boxes[0][1] != (0, ctx.shape(x)[1]):
+        raise EmitError(f"task t{task.id} ({task.node}): gemv reads all of x, the tile reads {x.text()}")
+    ctx.dtype(task, x)
+    ctx.dtype(task, out, ("float32",) if extra.get("out_dtype") == "float32" else ("bfloat16",))
+    for i, r in enumerate(residuals):
+        ctx.dtype(task, r)
+        if ctx.shape(r) != out_shape:
+            raise EmitError(f"task t{task.id} ({task.node}): residual {r.tensor} shape {ctx.shape(r)} != out {out_shape}")
+        operands[RESIDUAL_OPERANDS[i]] = ctx.arena(task, r.tensor)
+    params = GemvParams(in_features=ctx.shape(w)[1], out_features=out_features, batch=batch, rmsnorm=norm is not None,
+                        residuals=len(residuals), **extra)  # fmt: skip
+    operands.update({"x": ctx.arena(task, x.tensor), "out": ctx.arena(task, out.tensor), "weight": ctx.weight(w.tensor),
+                     "row_begin": row_begin, "row_count": row_end - row_begin})  # fmt: skip
     if norm is not None:
         operands["norm_weight"] = ctx.weight(norm.tensor)
     return OpVariant("gemv", params), operands
@@ -166,11 +240,12 @@ def _rmsnorm(task: GraphTask, ctx: _Context) -> Lowered:
 def _embedding(task: GraphTask, ctx: _Context) -> Lowered:
     table, ids = task.args
     (out,) = task.results
-    ctx.whole(task, out)
-    ctx.dtype(task, ids, ("int32",))
+    begin, count = _rows(task, out, ctx)
+    ctx.io_dtype(task, ids)
     ctx.dtype(task, out)
     vocab, dim = ctx.shape(table)
-    operands = {"ids": ctx.arena(task, ids.tensor), "out": ctx.arena(task, out.tensor), "table": ctx.weight(table.tensor)}
+    operands = {"ids": ctx.arena(task, ids.tensor), "out": ctx.arena(task, out.tensor), "table": ctx.weight(table.tensor),
+                "batch_begin": begin, "batch_count": count}  # fmt: skip
     return OpVariant("embedding", EmbeddingParams(dim=dim, vocab=vocab, batch=ctx.shape(out)[0])), operands
 
 
@@ -193,7 +268,7 @@ def _add(task: GraphTask, ctx: _Context) -> Lowered:
     (out,) = task.results
     runs = byte_runs(out.boxes[0], ctx.shape(out), 1)
     if len(runs) != 1 or a.boxes != out.boxes or b.boxes != out.boxes:
-        raise EmitError(f"task t{task.id} ({task.node}): format 1's add takes one contiguous range, the tile is {out.text()}")
+        raise EmitError(f"task t{task.id} ({task.node}): format 2's add takes one contiguous range, the tile is {out.text()}")
     for x in (a, b, out):
         ctx.dtype(task, x)
     (begin, end), = runs
@@ -201,15 +276,225 @@ def _add(task: GraphTask, ctx: _Context) -> Lowered:
     return OpVariant("add", AddParams()), operands
 
 
+def _kda_conv(task: GraphTask, ctx: _Context) -> Lowered:
+    q, k, v, state, wq, wk, wv = task.args
+    yq, yk, yv, _ = task.results
+    batch, channels = ctx.shape(yq)
+    (box,) = yq.boxes
+    c0, c1 = box[1]
+    if box[0] != (0, batch) or any(a.boxes[0] != ((0, batch), (c0, c1)) for a in (q, k, v, yk, yv)):
+        raise EmitError(f"task t{task.id} ({task.node}): kda_conv tiles channels of all rows, the tile is {yq.text()}")
+    width = ctx.shape(wq)[-1]
+    params = KdaConvParams(channels=channels, batch=batch, width=width)
+    operands = {"q": ctx.arena(task, q.tensor), "k": ctx.arena(task, k.tensor), "v": ctx.arena(task, v.tensor),
+                "out_q": ctx.arena(task, yq.tensor), "out_k": ctx.arena(task, yk.tensor), "out_v": ctx.arena(task, yv.tensor),
+                "state": ctx.state(task, state.tensor), "weight_q": ctx.weight(wq.tensor), "weight_k": ctx.weight(wk.tensor),
+                "weight_v": ctx.weight(wv.tensor), "channel_begin": c0, "channel_count": c1 - c0}  # fmt: skip
+    return OpVariant("kda_conv", params), operands
+
+
+def _kda_recurrence(task: GraphTask, ctx: _Context) -> Lowered:
+    q, k, v, g, beta, state = task.args
+    o, _ = task.results
+    batch, heads, v_dim, k_dim = ctx.shape(state)
+    head = task.tile["head"]
+    v0, v1 = task.tile["values"]
+    if state.boxes[0] != ((0, batch), (head, head + 1), (v0, v1), (0, k_dim)):
+        raise EmitError(f"task t{task.id} ({task.node}): kda_recurrence tiles (head, value rows) of all requests, the tile is {state.text()}")
+    params = KdaRecurrenceParams(num_heads=heads, head_dim=k_dim, batch=batch)
+    operands = {"q": ctx.arena(task, q.tensor), "k": ctx.arena(task, k.tensor), "v": ctx.arena(task, v.tensor),
+                "g": ctx.arena(task, g.tensor), "beta": ctx.arena(task, beta.tensor), "out": ctx.arena(task, o.tensor),
+                "state": ctx.state(task, state.tensor), "head": head, "value_begin": v0, "value_count": v1 - v0}  # fmt: skip
+    return OpVariant("kda_recurrence", params), operands
+
+
+def _attn_res(task: GraphTask, ctx: _Context) -> Lowered:
+    *sources, norm_w, proj_w = task.args
+    (out,) = task.results
+    if not 1 <= len(sources) <= MAX_ATTN_RES_SOURCES:
+        raise EmitError(f"task t{task.id} ({task.node}): attn_res takes 1..{MAX_ATTN_RES_SOURCES} sources, the task has {len(sources)}")
+    begin, count = _rows(task, out, ctx)
+    batch, dim = ctx.shape(out)
+    for s in (*sources, out):
+        ctx.dtype(task, s)
+    operands = {"out": ctx.arena(task, out.tensor), "norm_weight": ctx.weight(norm_w.tensor), "proj_weight": ctx.weight(proj_w.tensor),
+                "batch_begin": begin, "batch_count": count}  # fmt: skip
+    operands.update({f"source{i}": ctx.arena(task, s.tensor) for i, s in enumerate(sources)})
+    return OpVariant("attn_res", AttnResParams(dim=dim, batch=batch, num_sources=len(sources), eps=task.op.eps)), operands
+
+
+def _router(task: GraphTask, ctx: _Context) -> Lowered:
+    op, args = task.op, list(task.args)
+    x = args.pop(0)
+    norm = args.pop(0) if op.norm_eps is not None else None
+    w, bias = args
+    ids, weights = task.results
+    batch, dim = ctx.shape(x)
+    if ids.boxes[0][0] != (0, batch):
+        raise EmitError(f"task t{task.id} ({task.node}): the router is one task for all rows")
+    ctx.dtype(task, ids, ("int32",))
+    ctx.dtype(task, weights, ("float32",))
+    params = RouterParams(dim=dim, num_experts=ctx.shape(w)[0], batch=batch, top_k=op.top_k, renormalize=op.renormalize,
+                          scaling=op.scaling, rmsnorm=norm is not None, **({"eps": op.norm_eps} if norm is not None else {}))  # fmt: skip
+    operands = {"x": ctx.arena(task, x.tensor), "ids": ctx.arena(task, ids.tensor), "topk_weights": ctx.arena(task, weights.tensor),
+                "weight": ctx.weight(w.tensor), "bias": ctx.weight(bias.tensor)}  # fmt: skip
+    if norm is not None:
+        operands["norm_weight"] = ctx.weight(norm.tensor)
+    return OpVariant("router", params), operands
+
+
+def _activation(task: GraphTask, act) -> dict:
+    if isinstance(act, SituMul):
+        return {"activation": "situ", "beta": act.beta, "linear_beta": act.linear_beta}
+    if isinstance(act, SiluMul):
+        return {"activation": "silu"}
+    raise EmitError(f"task t{task.id} ({task.node}): no expert activation for {act}")
+
+
+def _expert_gated(task: GraphTask, ctx: _Context) -> Lowered:
+    mxfp4 = task.op.name.endswith("mxfp4")
+    if mxfp4:
+        x, w1, s1, w3, s3, ids = task.args
+    else:
+        x, w1, w3, ids = task.args
+        s1 = s3 = None
+    (out,) = task.results
+    batch, top_k, out_features = ctx.shape(out)
+    slot = task.tile["slot"]
+    r0, r1 = task.tile["rows"]
+    if out.boxes[0] != ((0, batch), (slot, slot + 1), (r0, r1)):
+        raise EmitError(f"task t{task.id} ({task.node}): expert_gated tiles (slot, rows) of all requests, the tile is {out.text()}")
+    e, _, k = ctx.shape(w1)
+    params = ExpertGatedParams(in_features=k * 2 if mxfp4 else k, out_features=out_features, num_experts=e, batch=batch, top_k=top_k,
+                               weight_format="mxfp4" if mxfp4 else "bfloat16", **_activation(task, task.op.activation))  # fmt: skip
+    operands = {"x": ctx.arena(task, x.tensor), "ids": ctx.arena(task, ids.tensor), "out": ctx.arena(task, out.tensor),
+                "weight": ctx.weight(w1.tensor), "weight_up": ctx.weight(w3.tensor), "slot": slot, "row_begin": r0,
+                "row_count": r1 - r0}  # fmt: skip
+    if mxfp4:
+        operands.update(scale=ctx.weight(s1.tensor), scale_up=ctx.weight(s3.tensor))
+    return OpVariant("expert_gated", params), operands
+
+
+def _expert_combine(task: GraphTask, ctx: _Context) -> Lowered:
+    mxfp4 = "mxfp4" in task.op.name
+    if mxfp4:
+        x, w2, s2, ids, weights = task.args
+    else:
+        x, w2, ids, weights = task.args
+        s2 = None
+    (out,) = task.results
+    batch, out_features = ctx.shape(out)
+    _, top_k, _ = ctx.shape(x)
+    r0, r1 = task.tile["rows"]
+    if out.boxes[0] != ((0, batch), (r0, r1)):
+        raise EmitError(f"task t{task.id} ({task.node}): expert_combine tiles rows of all requests, the tile is {out.text()}")
+    e, _, k = ctx.shape(w2)
+    params = ExpertCombineParams(in_features=k * 2 if mxfp4 else k, out_features=out_features, num_experts=e, batch=batch,
+                                 top_k=top_k, weight_format="mxfp4" if mxfp4 else "bfloat16")  # fmt: skip
+    operands = {"x": ctx.arena(task, x.tensor), "ids": ctx.arena(task, ids.tensor), "topk_weights": ctx.arena(task, weights.tensor),
+                "out": ctx.arena(task, out.tensor), "weight": ctx.weight(w2.tensor), "row_begin": r0, "row_count": r1 - r0}  # fmt: skip
+    if mxfp4:
+        operands["scale"] = ctx.weight(s2.tensor)
+    return OpVariant("expert_combine", params), operands
+
+
+def _mla_latent(task: GraphTask, ctx: _Context) -> Lowered:
+    """The latent task writes the cache row itself (the template fuses the cache write)."""
+    x, norm_w = task.args
+    (out,) = task.results
+    writers = [n for n in ctx.graph.nodes if n.op.name == "mla_cache_write" and n.inputs[1] == out.tensor]
+    if len(writers) != 1 or any(out.tensor in n.inputs for n in ctx.graph.nodes if n.op.name != "mla_cache_write"):
+        raise EmitError(f"task t{task.id} ({task.node}): mla_latent must feed exactly one mla_cache_write and nothing else")
+    cache, _, positions = writers[0].inputs
+    begin, count = _rows(task, out, ctx)
+    batch, max_len, width = ctx.graph.tensors[cache].shape
+    rank = task.op.kv_lora_rank
+    params = MlaLatentParams(kv_lora_rank=rank, rope_dim=width - rank, max_len=max_len, batch=batch, eps=task.op.eps)
+    operands = {"x": ctx.arena(task, x.tensor), "positions": ctx.offsets[positions], "norm_weight": ctx.weight(norm_w.tensor),
+                "cache": ctx.state(task, cache), "batch_begin": begin, "batch_count": count}  # fmt: skip
+    return OpVariant("mla_latent", params), operands
+
+
+def _mla_cache_write(task: GraphTask, ctx: _Context) -> Lowered:
+    """Done by the mla_latent task (above); this task only keeps the events."""
+    _, _, positions = task.args
+    ctx.io_dtype(task, positions)
+    return OpVariant("nop", NopParams()), {}
+
+
+def _mla_q_absorb(task: GraphTask, ctx: _Context) -> Lowered:
+    x, kv_b = task.args
+    (out,) = task.results
+    batch, heads, width = ctx.shape(out)
+    rank = ctx.shape(kv_b)[1]
+    h0, h1 = task.tile["heads"]
+    if out.boxes[0] != ((0, batch), (h0, h1), (0, width)):
+        raise EmitError(f"task t{task.id} ({task.node}): mla_q_absorb tiles heads of all requests, the tile is {out.text()}")
+    op = task.op
+    params = MlaQAbsorbParams(num_heads=heads, qk_nope=op.qk_nope, qk_rope=width - rank, v_dim=op.v_dim, kv_lora_rank=rank, batch=batch)
+    operands = {"x": ctx.arena(task, x.tensor), "out": ctx.arena(task, out.tensor), "weight": ctx.weight(kv_b.tensor),
+                "head_begin": h0, "head_count": h1 - h0}  # fmt: skip
+    return OpVariant("mla_q_absorb", params), operands
+
+
+MLA_GROUP_HEADS = 8
+
+
+def _mla_decode(task: GraphTask, ctx: _Context) -> Lowered:
+    q, cache, positions = task.args
+    o, lse = task.results
+    batch, num_chunks, heads, rank = ctx.shape(o)
+    _, max_len, width = ctx.shape(cache)
+    b, c = task.tile["request"], task.tile["chunk"]
+    if o.boxes[0] != ((b, b + 1), (c, c + 1), (0, heads), (0, rank)) or heads > MLA_GROUP_HEADS:
+        raise EmitError(f"task t{task.id} ({task.node}): mla_decode takes one (request, chunk) of <= {MLA_GROUP_HEADS} heads, the tile stores {o.text()}")
+    ctx.io_dtype(task, positions)
+    op = task.op
+    params = MlaDecodeParams(num_heads=heads, kv_lora_rank=rank, rope_dim=width - rank, max_len=max_len, batch=batch,
+                             num_chunks=num_chunks, min_chunk_rows=op.min_chunk_rows, scale=op.scale, group_heads=MLA_GROUP_HEADS)  # fmt: skip
+    operands = {"q": ctx.arena(task, q.tensor), "positions": ctx.arena(task, positions.tensor), "out": ctx.arena(task, o.tensor),
+                "lse": ctx.arena(task, lse.tensor), "cache": ctx.state(task, cache.tensor), "request": b, "chunk": c,
+                "head_begin": 0, "head_count": heads}  # fmt: skip
+    return OpVariant("mla_decode", params), operands
+
+
+def _mla_v_up(task: GraphTask, ctx: _Context) -> Lowered:
+    o, lse, kv_b = task.args
+    (out,) = task.results
+    batch, num_chunks, heads, rank = ctx.shape(o)
+    h0, h1 = task.tile["heads"]
+    op = task.op
+    if out.boxes[0] != ((0, batch), (h0 * op.v_dim, h1 * op.v_dim)):
+        raise EmitError(f"task t{task.id} ({task.node}): mla_v_up tiles heads of all requests, the tile is {out.text()}")
+    params = MlaVUpParams(num_heads=heads, qk_nope=op.qk_nope, v_dim=op.v_dim, kv_lora_rank=rank, batch=batch, num_chunks=num_chunks)
+    operands = {"o": ctx.arena(task, o.tensor), "lse": ctx.arena(task, lse.tensor), "out": ctx.arena(task, out.tensor),
+                "weight": ctx.weight(kv_b.tensor), "head_begin": h0, "head_count": h1 - h0}  # fmt: skip
+    return OpVariant("mla_v_up", params), operands
+
+
 LOWER: dict[str, Callable[[GraphTask, _Context], Lowered]] = {
-    "linear": _gemv,
-    "rmsnorm_linear": _gemv,
-    "linear_residual": _gemv,
+    **dict.fromkeys(("linear", "rmsnorm_linear", "linear_residual", "gated_linear", "linear_sigmoid_gate", "linear_kda_gate",
+                     "linear_gated_rmsnorm"), _gemv),  # fmt: skip
     "rmsnorm": _rmsnorm,
     "embedding": _embedding,
     "argmax": _argmax,
     "add": _add,
+    "kda_conv": _kda_conv,
+    "kda_recurrence": _kda_recurrence,
+    "attn_res": _attn_res,
+    "router": _router,
+    "expert_gated_linear": _expert_gated,
+    "expert_gated_linear_mxfp4": _expert_gated,
+    "expert_linear_combine": _expert_combine,
+    "expert_linear_mxfp4_combine": _expert_combine,
+    "mla_latent": _mla_latent,
+    "mla_cache_write": _mla_cache_write,
+    "mla_q_absorb": _mla_q_absorb,
+    "mla_decode": _mla_decode,
+    "mla_v_up": _mla_v_up,
 }
+
+
 
 
 # --------------------------------------------------------------------------------------------
@@ -253,6 +538,26 @@ class EmittedTable:
         return "\n".join(lines) + "\n"
 
 
+_ROLE = {Role.INPUT: "input", Role.OUTPUT: "output"}
+
+
+def _buffer_dtype(tensor) -> str:
+    """Integer step inputs are int32 in the arena (the runtime converts the IR's int64 token ids / positions)."""
+    name = dtype_name(tensor.dtype)
+    return "int32" if tensor.role == Role.INPUT and name == "int64" else name
+
+
+def state_layout(name: str) -> str:
+    """The documented layout of a decode state, by its name (compiler/capture.py names them)."""
+    if name.endswith("conv_state"):
+        return "[batch, conv_size-1, 3*P] bf16: the last conv_size-1 inputs of q | k | v channels, oldest first"
+    if name.endswith("recurrent_state"):
+        return "[batch, H, D(v), D(k)] fp32: KDA delta-rule state S[b, h] (row v, column k)"
+    if name.endswith("kv_cache"):
+        return "[batch, max_context, kv_lora_rank + rope] bf16: row t = rmsnorm(c_kv_t) || k_pe_t (MLA latent cache)"
+    return ""
+
+
 def _io_offsets(tg: TaskGraph) -> tuple[dict[str, int], int]:
     """Arena offsets for the step inputs and outputs tasks touch, after the activations."""
     offsets: dict[str, int] = {}
@@ -268,21 +573,28 @@ def _io_offsets(tg: TaskGraph) -> tuple[dict[str, int], int]:
 
 
 def emit_task_table(tg: TaskGraph, target: Any = None) -> EmittedTable:
-    """Lower every task (module docstring); raise EmitError for what format 1 cannot express."""
+    """Lower every task (module docstring); raise EmitError for what format 2 cannot express."""
     listed = sorted(t for ts in tg.sm_lists for t in ts)
     if listed != list(range(len(tg.tasks))):
         raise EmitError("every task must be on exactly one SM list: run the schedule pass first")
     unsupported = Counter(t.op.name if t.op is not None else "<no recipe>" for t in tg.tasks if t.op is None or t.op.name not in LOWER)
     if unsupported:
         kinds = ", ".join(f"{n} ({c} tasks)" for n, c in sorted(unsupported.items()))
-        raise EmitError(f"task table format 1 has no op kind for: {kinds}")
+        raise EmitError(f"task table format 2 has no op kind for: {kinds}")
     if [e.id for e in tg.events] != list(range(len(tg.events))):
         raise EmitError("event ids must be 0..n-1 in order (run build_events)")
     graph = tg.graph
     io, arena_bytes = _io_offsets(tg)
     offsets = {**{n: o for n, (o, _) in tg.arena.items()}, **io}
+    # The router's results (expert ids and weights, a few bytes per layer) get slots of their own after the
+    # io, never reused, so the experts a step chose can be read back after it (tests, diagnostics). Moving a
+    # tensor to bytes nothing else touches cannot add a hazard; the events stay as they are.
+    for name in sorted({r.tensor for t in tg.tasks if t.op is not None and t.op.name == "router" for r in t.results}):
+        offsets[name] = arena_bytes = -(-arena_bytes // IO_ALIGN) * IO_ALIGN
+        arena_bytes += graph.tensors[name].nbytes
     weights = sorted(t.name for t in graph.by_role(Role.WEIGHT))
-    ctx = _Context(graph, offsets, {n: i for i, n in enumerate(weights)})
+    states = sorted(t.name for t in graph.by_role(Role.STATE))
+    ctx = _Context(graph, offsets, {n: i for i, n in enumerate(weights)}, {n: len(weights) + i for i, n in enumerate(states)})
     expected = {e.id: e.expected for e in tg.events}
     variants: dict[OpVariant, int] = {}
     lists: list[list[Task]] = []
@@ -291,7 +603,7 @@ def emit_task_table(tg: TaskGraph, target: Any = None) -> EmittedTable:
         for i in ids:
             task = tg.tasks[i]
             if len(task.signals) > 1 or len(task.waits) > 2:
-                raise EmitError(f"task t{i} ({task.node}) waits on {len(task.waits)} events and signals {len(task.signals)}: format 1 allows 2 and 1")
+                raise EmitError(f"task t{i} ({task.node}) waits on {len(task.waits)} events and signals {len(task.signals)}: format 2 allows 2 and 1")
             for e, count in task.waits:
                 if count != expected[e]:
                     raise EmitError(f"task t{i} ({task.node}) waits for {count} signals of e{e}, which has {expected[e]} producers")
@@ -305,9 +617,10 @@ def emit_task_table(tg: TaskGraph, target: Any = None) -> EmittedTable:
         events=[Event(f"e{e.id} {tg.tasks[e.producers[0]].node}" if e.producers else f"e{e.id}") for e in tg.events],
         weights=[WeightSpec(n, dtype_name(graph.tensors[n].dtype), graph.tensors[n].shape) for n in weights],
         buffers=[
-            BufferSpec(n, o, dtype_name(graph.tensors[n].dtype), graph.tensors[n].shape)
+            BufferSpec(n, o, _buffer_dtype(graph.tensors[n]), graph.tensors[n].shape, _ROLE.get(graph.tensors[n].role, "activation"))
             for n, o in sorted(offsets.items(), key=lambda kv: (kv[1], kv[0]))
         ],
         arena_bytes=arena_bytes,
+        states=[StateSpec(n, dtype_name(graph.tensors[n].dtype), graph.tensors[n].shape, state_layout(n)) for n in states],
     )
     return EmittedTable(tg, table, table.encode())

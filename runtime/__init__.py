@@ -8,5 +8,6 @@ cuda-bindings, weight binding, decode state. Imports neither CuTe DSL nor the co
 
 from k3mk.runtime.manifest import ArtifactError, load_manifest
 from k3mk.runtime.megakernel import Megakernel, WatchdogError
+from k3mk.runtime.model import DecodeModel
 
-__all__ = ["ArtifactError", "Megakernel", "WatchdogError", "load_manifest"]
+__all__ = ["ArtifactError", "DecodeModel", "Megakernel", "WatchdogError", "load_manifest"]

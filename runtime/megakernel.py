@@ -4,8 +4,12 @@ device memory; event counters are monotonic, so nothing is reset between steps).
 
     mk = Megakernel(artifact_dir)               # checks manifest vs device, loads the cubin
     mk.bind_weights({name: tensor, ...})        # by the names in the manifest's weight table
+    mk.bind_states({name: tensor, ...})         # or mk.allocate_states(): decode state (format 2)
     mk.buffer("x").copy_(...)                   # named regions of the activation arena
     mk.step()                                   # one launch; in debug builds, mk.check() after it
+
+The kernel's pointer table holds the weights, then the states (task table format 2): a state tensor
+is bound like a weight and updated in place by the kernel.
 """
 
 from __future__ import annotations
@@ -64,7 +68,9 @@ class Megakernel:
         if poison_arena:
             self.arena.fill_(0xFF)  # bf16 NaN everywhere: an unwritten output never looks right
         self.weight_specs = [(w["name"], w["dtype"], tuple(w["shape"])) for w in m["weights"]]
-        self.weight_table = torch.zeros(max(len(self.weight_specs), 1), dtype=torch.int64, device=dev)
+        self.state_specs = [(st["name"], st["dtype"], tuple(st["shape"])) for st in m.data.get("states", [])]
+        self.weight_table = torch.zeros(max(len(self.weight_specs) + len(self.state_specs), 1), dtype=torch.int64, device=dev)
+        self._states: dict[str, torch.Tensor] = {}
         self._weights: dict[str, torch.Tensor] = {}
         self._buffers = {b["name"]: b for b in m["buffers"]}
         self._params: dict[int, PackedParams] = {}
@@ -88,8 +94,38 @@ class Megakernel:
             self._weights[name] = tensor
         self.weight_table.copy_(pointers)
 
+    def bind_states(self, states: Mapping[str, torch.Tensor]) -> None:
+        """Bind decode state by name (pointer-table entries after the weights), checked like weights.
+        The kernel updates them in place every step."""
+        index = {name: i for i, (name, _, _) in enumerate(self.state_specs)}
+        unknown = set(states) - set(index)
+        if unknown:
+            raise KeyError(f"states not in this artifact: {sorted(unknown)}")
+        pointers = self.weight_table.cpu()
+        for name, tensor in states.items():
+            _, dtype, shape = self.state_specs[index[name]]
+            if tensor.dtype != DTYPES[dtype] or tuple(tensor.shape) != shape:
+                raise ValueError(f"state {name!r}: expected {dtype}{list(shape)}, got {tensor.dtype}{list(tensor.shape)}")
+            if tensor.device != self.device or not tensor.is_contiguous() or tensor.data_ptr() % 16:
+                raise ValueError(f"state {name!r} must be contiguous, 16-byte aligned, on {self.device}")
+            pointers[len(self.weight_specs) + index[name]] = tensor.data_ptr()
+            self._states[name] = tensor
+        self.weight_table.copy_(pointers)
+
+    def allocate_states(self) -> dict[str, torch.Tensor]:
+        """Zero decode state in the manifest's layouts (a fresh sequence), bound and returned."""
+        states = {name: torch.zeros(shape, dtype=DTYPES[dtype], device=self.device) for name, dtype, shape in self.state_specs}
+        self.bind_states(states)
+        return states
+
+    @property
+    def states(self) -> dict[str, torch.Tensor]:
+        return dict(self._states)
+
     def missing_weights(self) -> list[str]:
-        return [name for name, _, _ in self.weight_specs if name not in self._weights]
+        return [name for name, _, _ in self.weight_specs if name not in self._weights] + [
+            name for name, _, _ in self.state_specs if name not in self._states
+        ]
 
     def buffer(self, name: str) -> torch.Tensor:
         """A view of a named arena region, with its dtype and shape."""

@@ -9,7 +9,7 @@ import json
 import struct
 from dataclasses import dataclass
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAGIC = 0x5454334B
 HEADER_WORDS = 16
 TASK_WORDS = 32

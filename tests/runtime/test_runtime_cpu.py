@@ -56,8 +56,8 @@ def test_reader_reads_an_encoded_table():
     assert (loaded.device_bytes, loaded.lists_offset, loaded.tasks_offset) == (device, lists_offset, tasks_offset)
     assert (loaded.num_lists, loaded.num_events) == (8, 5)
     assert loaded.label(0, 0) == "norm[0]" and loaded.event_name(1) == "gemv_a"
-    with pytest.raises(table.TaskTableFormatError, match="format 2"):
-        table.read_table(data[:4] + (2).to_bytes(4, "little") + data[8:])
+    with pytest.raises(table.TaskTableFormatError, match="format 3"):
+        table.read_table(data[:4] + (3).to_bytes(4, "little") + data[8:])
 
 
 def manifest(**changes) -> Manifest:
@@ -77,8 +77,8 @@ def test_manifest_checks():
         check_device(manifest(), (10, 0), 148, "B200")
     with pytest.raises(ArtifactError, match="needs 132 co-resident CTAs .* has 114 SMs"):
         check_device(manifest(), (9, 0), 114)
-    with pytest.raises(ArtifactError, match="task table format 2"):
-        check_versions(manifest(task_table_format=2))
+    with pytest.raises(ArtifactError, match="task table format 3"):
+        check_versions(manifest(task_table_format=3))
     with pytest.raises(ArtifactError, match="parameter ABI"):
         check_versions(manifest(params=abi.params_json()[:-1]))
     with pytest.raises(ArtifactError, match="manifest version 7"):
