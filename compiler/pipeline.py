@@ -279,7 +279,9 @@ def run_compile(args: argparse.Namespace) -> int:
         path = compile_artifact(config, args.tp, args.max_tokens, args.max_context, args.arch, out_dir, progress=progress, result=result)
         print(f"artifact: {path}")
         return 0
-    result = compile_graph(config, args.tp, args.max_tokens, args.max_context, torch.bfloat16, args.arch, args.dump, progress, args.until)
+    # Without --out nothing needs the binary table: stop after the schedule and its deadlock check.
+    until = args.until or "check_deadlock"
+    result = compile_graph(config, args.tp, args.max_tokens, args.max_context, torch.bfloat16, args.arch, args.dump, progress, until)
     print(summary(result), end="")
     if args.show_rank is not None:
         print(rank_view(result.graph, args.show_rank), end="")
