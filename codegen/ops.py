@@ -67,6 +67,14 @@ class GemvTuning:
     unroll: int
     rows_per_warp: int
     prefetch_rows: int  # rows of the tile prefetched into L2 before the wait (0: none)
+    x_smem: bool = True  # the input is staged in smem; False: read from the arena (gemv_x_in_smem)
+
+
+def gemv_x_in_smem(p: GemvParams) -> bool:
+    """Stage x in smem unless it does not fit (batch * in * 2 > X_SMEM_BUDGET: K3's 33792-wide dense down
+    projection at batch >= 3): then the dot loop reads x from the arena (L1 / L2). The rmsnorm prologue
+    and the gated_rmsnorm statistics need the smem copy (checked by _check_gemv)."""
+    return p.batch * p.in_features * 2 <= X_SMEM_BUDGET
 
 
 def gemv_tuning(p: GemvParams, config: KernelConfig) -> GemvTuning:
@@ -85,7 +93,7 @@ def gemv_tuning(p: GemvParams, config: KernelConfig) -> GemvTuning:
     rows = config.gemv_rows_per_warp or rows
     unroll = config.gemv_unroll or unroll
     prefetch_rows = -(-config.prefetch_bytes // (2 * p.in_features)) if config.prefetch_bytes > 0 else 0
-    return GemvTuning(unroll, rows, prefetch_rows)
+    return GemvTuning(unroll, rows, prefetch_rows, gemv_x_in_smem(p))
 
 
 @dataclass(frozen=True)
@@ -123,7 +131,8 @@ def _check_gemv(p: GemvParams) -> None:
     _check_batch(p.batch)
     _require(p.in_features % VECTOR_ELEMENTS == 0, f"gemv in_features {p.in_features} not a multiple of {VECTOR_ELEMENTS}")
     _require((p.x_stride or p.in_features) % VECTOR_ELEMENTS == 0, "gemv x_stride must keep rows 16-byte aligned")
-    _require(p.batch * p.in_features * 2 <= X_SMEM_BUDGET, f"gemv input batch*in*2 = {p.batch * p.in_features * 2} B exceeds {X_SMEM_BUDGET} B of smem")
+    _require(gemv_x_in_smem(p) or not (p.rmsnorm or p.epilogue == "gated_rmsnorm"),
+             f"gemv input batch*in*2 = {p.batch * p.in_features * 2} B exceeds {X_SMEM_BUDGET} B of smem (needed by the rmsnorm prologue / gated_rmsnorm)")  # fmt: skip
     _require(p.epilogue in GEMV_EPILOGUES, f"gemv epilogue {p.epilogue!r}; known: {GEMV_EPILOGUES}")
     _require(p.out_dtype in ("bfloat16", "float32"), f"gemv out_dtype {p.out_dtype!r}")
     _require(0 <= p.residuals <= MAX_RESIDUALS, f"gemv residuals {p.residuals} outside [0, {MAX_RESIDUALS}]")
@@ -146,6 +155,8 @@ def _gemv_rstd_offset(p: GemvParams) -> int:
 
 
 def _gemv_smem(p: GemvParams) -> int:
+    if not gemv_x_in_smem(p):
+        return 0  # x read from the arena (no rmsnorm, no gated_rmsnorm: _check_gemv)
     if p.epilogue == "gated_rmsnorm":
         return _gemv_rstd_offset(p) + p.batch * (p.out_features // p.head_dim) * 4
     return p.batch * p.in_features * 2

@@ -16,6 +16,7 @@ from k3mk.ir.task_table import (
     MlaQAbsorbParams,
     MlaVUpParams,
     RouterParams,
+    RouterTopkParams,
 )
 
 THREADS = 256  # the templates' mapping assumes KernelConfig().threads (checked at emit time by the templates' asserts)
@@ -46,6 +47,17 @@ def _check_router(p: RouterParams) -> None:
     _require(1 <= p.top_k <= min(p.num_experts, MAX_TOP_K), f"router top_k {p.top_k} outside [1, min(E, {MAX_TOP_K})]")
     _require(router_smem_layout(p)["total"] <= X_SMEM_BUDGET,
              f"router smem {router_smem_layout(p)['total']} B > {X_SMEM_BUDGET} B: split the logits GEMV from the top-k")  # fmt: skip
+
+
+def router_topk_smem(p: RouterTopkParams) -> int:
+    """Selection scores fp32 [B, E] (the logits are read from the arena)."""
+    return _a16(p.batch * p.num_experts * 4)
+
+
+def _check_router_topk(p: RouterTopkParams) -> None:
+    _check_batch(p.batch)
+    _require(1 <= p.top_k <= min(p.num_experts, MAX_TOP_K), f"router_topk top_k {p.top_k} outside [1, min(E, {MAX_TOP_K})]")
+    _require(router_topk_smem(p) <= X_SMEM_BUDGET, f"router_topk smem {router_topk_smem(p)} B > {X_SMEM_BUDGET} B")
 
 
 # ---- routed experts -------------------------------------------------------------------------
@@ -145,6 +157,7 @@ def _none(p: object) -> int:
 
 MOE_MLA_CODEGEN: dict[str, OpCodegen] = {
     "router": OpCodegen("router.py.j2", lambda p: router_smem_layout(p)["total"], _check_router),
+    "router_topk": OpCodegen("router_topk.py.j2", router_topk_smem, _check_router_topk),
     "expert_gated": OpCodegen("expert_gated.py.j2", _expert_gated_smem, _check_expert_gated),
     "expert_combine": OpCodegen("expert_combine.py.j2", _expert_combine_smem, _check_expert_combine),
     "mla_latent": OpCodegen("mla_latent.py.j2", _none, _check_mla_latent),

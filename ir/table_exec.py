@@ -227,6 +227,12 @@ class TableExecutor:
         self.buf(o["ids"], "int32", (p.batch, p.top_k))[:] = ids
         self.buf(o["topk_weights"], "float32", (p.batch, p.top_k))[:] = w
 
+    def _op_router_topk(self, p, o, key) -> None:
+        logits = self.buf(o["logits"], "float32", (p.batch, p.num_experts))
+        ids, w = semantics.router_topk(logits, self.ptr(o["bias"]), p.top_k, p.renormalize, p.scaling)
+        self.buf(o["ids"], "int32", (p.batch, p.top_k))[:] = ids
+        self.buf(o["topk_weights"], "float32", (p.batch, p.top_k))[:] = w
+
     def _op_expert_gated(self, p, o, key) -> None:
         B = p.batch
         x = self.buf(o["x"], "bfloat16", (B, p.in_features))

@@ -189,6 +189,21 @@ class RouterParams:
 
 
 @dataclass(frozen=True)
+class RouterTopkParams:
+    """Spec 5.2, the top-k half of the router (semantics.router_topk) for gates too large to fuse
+    (passes/fuse_epilogue.py): ONE task for all rows reads fp32 logits [batch, num_experts] from the
+    arena (a row-tiled fp32 gemv wrote them); s = sigmoid(logits); top_k of s + bias (fp32
+    [num_experts], selection only; lowest index wins ties); weights from s, renormalized (+1e-20), times
+    scaling. Writes ids int32 [batch, top_k] and topk_weights fp32 [batch, top_k]."""
+
+    num_experts: int
+    batch: int
+    top_k: int
+    renormalize: bool = True
+    scaling: float = 1.0
+
+
+@dataclass(frozen=True)
 class ExpertGatedParams:
     """Spec 5.3 (fused.expert_gated_linear[_mxfp4]): rows [row_begin, +row_count) of routing slot `slot`
     for every request b: e = ids[b, slot] READ AT RUN TIME; out[b, slot, r] = act(bf16(w1[e, r] . x[b]),
@@ -305,6 +320,7 @@ OP_KINDS: Mapping[str, OpKind] = MappingProxyType(
             OpKind("attn_res", AttnResParams, ("out", "norm_weight", "proj_weight", "batch_begin", "batch_count",
                                                *(f"source{i}" for i in range(MAX_ATTN_RES_SOURCES)))),
             OpKind("router", RouterParams, ("x", "ids", "topk_weights", "weight", "bias", "norm_weight")),
+            OpKind("router_topk", RouterTopkParams, ("logits", "ids", "topk_weights", "bias")),
             OpKind("expert_gated", ExpertGatedParams, ("x", "ids", "out", "weight", "weight_up", "scale", "scale_up",
                                                        "slot", "row_begin", "row_count")),
             OpKind("expert_combine", ExpertCombineParams, ("x", "ids", "topk_weights", "out", "weight", "scale",

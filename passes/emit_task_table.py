@@ -27,7 +27,9 @@ gated_linear, linear_sigmoid_gate, linear_kda_gate, linear_gated_rmsnorm) become
 (prologue + epilogue in GemvParams); mla_latent becomes the `mla_latent` op that also writes the
 latent cache row (the cache and positions come from the mla_cache_write node that consumes it), and
 mla_cache_write a `nop` that keeps the graph's events (it waits on the latent task and signals the
-decode tasks). Collectives (tp > 1) have no op kind yet.
+decode tasks). An unfused router (gate > 256 KB, passes/fuse_epilogue.py) is its fp32 `linear` (gemv
+variants with out_dtype float32) + `router_topk`, one task for all rows; mla_decode tiles are head groups
+of <= MLA_DECODE_GROUP_HEADS (passes/tile.py). Collectives (tp > 1) have no op kind yet.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from k3mk.ir.task_table import (
     OpVariant,
     RmsnormParams,
     RouterParams,
+    RouterTopkParams,
     StateSpec,
     Task,
     TaskTable,
@@ -66,6 +69,7 @@ from k3mk.ir.task_table import (
 )
 from k3mk.ir.tasks import Operand, TaskGraph, buffer_name, byte_runs
 from k3mk.ir.tasks import Task as GraphTask
+from k3mk.passes.tile import MLA_DECODE_GROUP_HEADS
 
 IO_ALIGN = 256  # as the arena plan's slots (passes/plan_memory.ALIGN)
 
@@ -343,6 +347,23 @@ def _router(task: GraphTask, ctx: _Context) -> Lowered:
     return OpVariant("router", params), operands
 
 
+def _router_topk(task: GraphTask, ctx: _Context) -> Lowered:
+    """The top-k half of an unfused router: fp32 logits (a row-tiled fp32 gemv wrote them) -> ids, weights."""
+    logits, bias = task.args
+    ids, weights = task.results
+    batch, experts = ctx.shape(logits)
+    if ids.boxes[0][0] != (0, batch) or logits.boxes[0] != ((0, batch), (0, experts)):
+        raise EmitError(f"task t{task.id} ({task.node}): router_topk is one task for all rows and experts")
+    ctx.dtype(task, logits, ("float32",))
+    ctx.dtype(task, ids, ("int32",))
+    ctx.dtype(task, weights, ("float32",))
+    op = task.op
+    params = RouterTopkParams(num_experts=experts, batch=batch, top_k=op.top_k, renormalize=op.renormalize, scaling=op.scaling)
+    operands = {"logits": ctx.arena(task, logits.tensor), "ids": ctx.arena(task, ids.tensor),
+                "topk_weights": ctx.arena(task, weights.tensor), "bias": ctx.weight(bias.tensor)}  # fmt: skip
+    return OpVariant("router_topk", params), operands
+
+
 def _activation(task: GraphTask, act) -> dict:
     if isinstance(act, SituMul):
         return {"activation": "situ", "beta": act.beta, "linear_beta": act.linear_beta}
@@ -437,7 +458,7 @@ def _mla_q_absorb(task: GraphTask, ctx: _Context) -> Lowered:
     return OpVariant("mla_q_absorb", params), operands
 
 
-MLA_GROUP_HEADS = 8
+MLA_GROUP_HEADS = MLA_DECODE_GROUP_HEADS
 
 
 def _mla_decode(task: GraphTask, ctx: _Context) -> Lowered:
@@ -446,7 +467,8 @@ def _mla_decode(task: GraphTask, ctx: _Context) -> Lowered:
     batch, num_chunks, heads, rank = ctx.shape(o)
     _, max_len, width = ctx.shape(cache)
     b, c = task.tile["request"], task.tile["chunk"]
-    if o.boxes[0] != ((b, b + 1), (c, c + 1), (0, heads), (0, rank)) or heads > MLA_GROUP_HEADS:
+    h0, h1 = task.tile.get("heads", (0, heads))
+    if o.boxes[0] != ((b, b + 1), (c, c + 1), (h0, h1), (0, rank)) or h1 - h0 > MLA_GROUP_HEADS:
         raise EmitError(f"task t{task.id} ({task.node}): mla_decode takes one (request, chunk) of <= {MLA_GROUP_HEADS} heads, the tile stores {o.text()}")
     ctx.io_dtype(task, positions)
     op = task.op
@@ -454,7 +476,7 @@ def _mla_decode(task: GraphTask, ctx: _Context) -> Lowered:
                              num_chunks=num_chunks, min_chunk_rows=op.min_chunk_rows, scale=op.scale, group_heads=MLA_GROUP_HEADS)  # fmt: skip
     operands = {"q": ctx.arena(task, q.tensor), "positions": ctx.arena(task, positions.tensor), "out": ctx.arena(task, o.tensor),
                 "lse": ctx.arena(task, lse.tensor), "cache": ctx.state(task, cache.tensor), "request": b, "chunk": c,
-                "head_begin": 0, "head_count": heads}  # fmt: skip
+                "head_begin": h0, "head_count": h1 - h0}  # fmt: skip
     return OpVariant("mla_decode", params), operands
 
 
@@ -483,6 +505,7 @@ LOWER: dict[str, Callable[[GraphTask, _Context], Lowered]] = {
     "kda_recurrence": _kda_recurrence,
     "attn_res": _attn_res,
     "router": _router,
+    "router_topk": _router_topk,
     "expert_gated_linear": _expert_gated,
     "expert_gated_linear_mxfp4": _expert_gated,
     "expert_linear_combine": _expert_combine,
@@ -589,7 +612,7 @@ def emit_task_table(tg: TaskGraph, target: Any = None) -> EmittedTable:
     # The router's results (expert ids and weights, a few bytes per layer) get slots of their own after the
     # io, never reused, so the experts a step chose can be read back after it (tests, diagnostics). Moving a
     # tensor to bytes nothing else touches cannot add a hazard; the events stay as they are.
-    for name in sorted({r.tensor for t in tg.tasks if t.op is not None and t.op.name == "router" for r in t.results}):
+    for name in sorted({r.tensor for t in tg.tasks if t.op is not None and t.op.name in ("router", "router_topk") for r in t.results}):
         offsets[name] = arena_bytes = -(-arena_bytes // IO_ALIGN) * IO_ALIGN
         arena_bytes += graph.tensors[name].nbytes
     weights = sorted(t.name for t in graph.by_role(Role.WEIGHT))

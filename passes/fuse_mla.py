@@ -19,6 +19,7 @@ from k3mk.ir.ops import MLAAttention
 from k3mk.passes.fuse_rewrite import Rewriter, record
 
 PARTIAL_BYTES = 4  # o and lse partials are fp32
+MAX_KV_CHUNKS = 64  # mla_v_up merges the chunks with unrolled loops (codegen/ops_moe_mla.py checks <= 64)
 
 
 def kv_split(attention: MLAAttention, cache_shape: tuple[int, ...], cache_itemsize: int, num_sms: int) -> tuple[int, int]:
@@ -27,11 +28,12 @@ def kv_split(attention: MLAAttention, cache_shape: tuple[int, ...], cache_itemsi
     A chunk writes H x rank fp32 partials per request: it is worth its partials only if it reads at least as
     many cache bytes, so a chunk holds at least min_chunk_rows = H*rank*4 / row bytes rows (K3 at TP1: 171
     rows of 1152 B; k3-tiny: 4). Up to that bound, spread every request's longest context over the SMs:
-    num_chunks = min(ceil(num_sms / batch), ceil(T_max / min_chunk_rows)). At run time shorter contexts use
+    num_chunks = min(ceil(num_sms / batch), ceil(T_max / min_chunk_rows), MAX_KV_CHUNKS) (Kimi Linear at
+    4096: 57-row chunks would be 72, capped to 64). At run time shorter contexts use
     fewer, longer-than-minimum chunks (ir/fused.py `kv_chunk_bounds`); the rest are empty tasks."""
     batch, t_max, width = cache_shape
     min_rows = math.ceil(attention.num_heads * attention.kv_lora_rank * PARTIAL_BYTES / (width * cache_itemsize))
-    return max(1, min(math.ceil(num_sms / batch), math.ceil(t_max / min_rows))), min_rows
+    return max(1, min(math.ceil(num_sms / batch), math.ceil(t_max / min_rows), MAX_KV_CHUNKS)), min_rows
 
 
 def fuse_mla(graph: Graph, num_sms: int, split: tuple[int, int] | None = None) -> Graph:

@@ -370,29 +370,43 @@ def _mla_absorbed_heads(ctx: Context, node: Node) -> list[Task]:
     return tasks
 
 
+MLA_DECODE_GROUP_HEADS = 8  # heads one mla_decode task holds at most (its sQ is fp32 [8, rank+rope] in smem)
+
+
+def mla_decode_head_groups(heads: int) -> list[tuple[int, int]]:
+    """Head groups of one (request, chunk): as few as the template allows, of equal size where possible."""
+    return split(heads, math.ceil(heads / MLA_DECODE_GROUP_HEADS))
+
+
 @rule("mla_decode")
 def _mla_decode(ctx: Context, node: Node) -> list[Task]:
-    """Per (request b, KV chunk c), all heads (they share the KV rows). The chunk bounds depend on the
-    run-time position, so a task declares request b's whole cache; it evaluates every chunk of b and
-    stores chunk c."""
+    """Per (request b, KV chunk c, head group): the heads share the KV rows, so a task holds as many as
+    the template takes (MLA_DECODE_GROUP_HEADS; Kimi Linear's 32 and K3's 96 heads are 4 and 12 groups,
+    each re-reading the chunk's rows). The chunk bounds depend on the run-time position, so a task
+    declares request b's whole cache; it evaluates every chunk of b and stores chunk c."""
     heads = ctx.shape(node.inputs[0])[1]
     batch, t_max, width = ctx.shape(node.inputs[1])
     o, lse = (ctx.shape(name) for name in node.outputs)
     chunks = node.op.num_chunks
     tasks = []
     for b in range(batch):
-        args = {i: sub(ctx.shape(name), {0: (b, b + 1)}) for i, name in enumerate(node.inputs)}
-        for c in range(chunks):
-            results = [
-                Operand(node.outputs[0], (sub(o, {0: (b, b + 1), 1: (c, c + 1)}),), part=sub(o, {0: (0, 1), 1: (c, c + 1)})),
-                Operand(node.outputs[1], (sub(lse, {0: (b, b + 1), 1: (c, c + 1)}),), part=sub(lse, {0: (0, 1), 1: (c, c + 1)})),
-            ]
-            rows = math.ceil(t_max / chunks)
-            task = ctx.task(node, {"request": b, "chunk": c}, args, results, flops=4 * heads * rows * width)
-            # It declares request b's whole cache but reads only its chunk's rows (at full context).
-            cache_bytes = rows * width * ctx.tensor(node.inputs[1]).dtype.itemsize
-            task.activation_bytes = cache_bytes + sum(ctx.box_bytes(r.tensor, r.box) for r in task.writes) + ctx.box_bytes(node.inputs[0], args[0])
-            tasks.append(task)
+        for h0, h1 in mla_decode_head_groups(heads):
+            args = {i: sub(ctx.shape(name), {0: (b, b + 1)}) for i, name in enumerate(node.inputs)}
+            args[0] = sub(ctx.shape(node.inputs[0]), {0: (b, b + 1), 1: (h0, h1)})
+            for c in range(chunks):
+                results = [
+                    Operand(node.outputs[0], (sub(o, {0: (b, b + 1), 1: (c, c + 1), 2: (h0, h1)}),),
+                            part=sub(o, {0: (0, 1), 1: (c, c + 1), 2: (0, h1 - h0)})),  # fmt: skip
+                    Operand(node.outputs[1], (sub(lse, {0: (b, b + 1), 1: (c, c + 1), 2: (h0, h1)}),),
+                            part=sub(lse, {0: (0, 1), 1: (c, c + 1), 2: (0, h1 - h0)})),  # fmt: skip
+                ]
+                rows = math.ceil(t_max / chunks)
+                tile = {"request": b, "chunk": c, "heads": (h0, h1)}
+                task = ctx.task(node, tile, args, results, flops=4 * (h1 - h0) * rows * width)
+                # It declares request b's whole cache but reads only its chunk's rows (at full context).
+                cache_bytes = rows * width * ctx.tensor(node.inputs[1]).dtype.itemsize
+                task.activation_bytes = cache_bytes + sum(ctx.box_bytes(r.tensor, r.box) for r in task.writes) + ctx.box_bytes(node.inputs[0], args[0])
+                tasks.append(task)
     return tasks
 
 

@@ -126,3 +126,16 @@ def test_kda_ops_compile_sm90a(cache):
     assert ptx.count("st.global.v4") >= 16 + 3  # 16 state rows per warp, 16-byte stores; conv outputs
     assert ptx.count("shfl.sync.bfly") >= 2 * 16 * 5  # two butterflies per state row
     assert info["registers"] <= 255
+
+
+def test_gemv_wide_input_reads_x_from_the_arena(cache):
+    """K3's dense down projection (33792 inputs) at batch 4: x (264 KB) exceeds the smem budget, so the
+    plain and gated gemv read it from the arena instead of staging it (codegen/ops.py gemv_x_in_smem);
+    the variant needs no smem for x, and the kernel compiles."""
+    from k3mk.codegen.ops import OP_CODEGEN, gemv_x_in_smem
+
+    wide = [OpVariant("gemv", GemvParams(33792, 7168, 4, residuals=1)), OpVariant("gemv", GemvParams(33792, 64, 4, epilogue="situ_mul", beta=4.0, linear_beta=25.0))]
+    for v in wide:
+        assert not gemv_x_in_smem(v.params) and OP_CODEGEN["gemv"].smem_bytes(v.params) == 0
+    ptx, info = _compile(wide, cache)
+    assert ".target sm_90a" in ptx and "ld.global.v4" in ptx

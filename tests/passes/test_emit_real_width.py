@@ -1,0 +1,103 @@
+"""Kimi Linear at its REAL widths (hidden 2304, 32 KDA heads of 128, 32 MLA heads, rank 512, max context
+4096), reduced in depth, lowered to task table format 2 and executed FROM THE TABLE (ir/table_exec.py)
+bit for bit like the interpreter. It exercises what only the real sizes hit: the router too large to
+fuse (a row-tiled fp32 `linear` + the one-task `router_topk` op kind), `mla_decode` split into head
+groups of <= 8 (the template's limit), and the KV split capped at 64 chunks (mla_v_up's limit; 57-row
+chunks of 4096 would be 72). Then the FULL kimi-linear-48b-a3b kernel builds to one sm_90a cubin."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+from k3mk.compiler.capture import capture
+from k3mk.compiler.config import load_config
+from k3mk.compiler.random_weights import random_weights
+from k3mk.ir import interpreter
+from k3mk.ir.graph import Role
+from k3mk.ir.table_exec import TableExecutor
+from k3mk.ir.task_table import TaskTable
+from k3mk.passes.fuse_mla import MAX_KV_CHUNKS
+from k3mk.passes.manager import PIPELINE, Target, run_pipeline
+from k3mk.passes.tile import MLA_DECODE_GROUP_HEADS
+
+BF16 = torch.bfloat16
+MAX_CONTEXT = 4096
+
+
+def kimi_linear_real_width():
+    """kimi-linear-48b-a3b with 2 layers (dense KDA, MoE MLA), its real widths; 64 experts of 256 (the
+    gate, 64 x 2304 bf16 = 288 KB, is still over fuse_epilogue's 256 KB) and a 4096-token vocabulary keep
+    the CPU weights small (~0.5 GB)."""
+    c = load_config("kimi-linear-48b-a3b")
+    return c.replace(num_layers=2, layer_kinds=("kda", "mla"), vocab_size=4096,
+                     moe=dataclasses.replace(c.moe, num_experts=64, intermediate_size=256))  # fmt: skip
+
+
+def k3_proxy_real_width():
+    """k3-proxy-16l with 2 layers (dense KDA with the 33792-wide down projection, MoE MLA with 96 heads =
+    12 decode head groups), real widths (hidden 7168); MXFP4 experts of 256 rows (64 experts: the gate,
+    64 x 7168 bf16 = 896 KB, stays unfused) and a 4096-token vocabulary keep the CPU weights small."""
+    c = load_config("k3-proxy-16l")
+    return c.replace(num_layers=2, layer_kinds=("kda", "mla"), vocab_size=4096, moe=dataclasses.replace(c.moe, intermediate_size=256))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["kimi-linear", "k3-proxy"])
+def test_real_width_table_executes_like_the_interpreter(name):
+    config = kimi_linear_real_width() if name == "kimi-linear" else k3_proxy_real_width()
+    heads = config.mla.num_heads
+    graph = capture(config, 1, MAX_CONTEXT, BF16)
+    target = Target.for_arch(config, max_tokens=1, max_context=MAX_CONTEXT, dtype=BF16)
+    out = run_pipeline(graph, target, PIPELINE).output
+    table = TaskTable.decode(out.data)
+    assert table == out.table
+    ops = Counter(table.variants[t.opcode].op for ts in table.lists for t in ts)
+    assert ops["router_topk"] == 1 and ops["router"] == 0
+    decode = [(t.operands.get("head_begin", 0), t.operands["head_count"]) for ts in table.lists for t in ts
+              if table.variants[t.opcode].op == "mla_decode"]  # fmt: skip
+    (params,) = {table.variants[t.opcode].params for ts in table.lists for t in ts if table.variants[t.opcode].op == "mla_decode"}
+    assert params.num_heads == heads and params.num_chunks == (MAX_KV_CHUNKS if name == "kimi-linear" else 24)  # K3: 171-row chunks
+    assert Counter(decode) == {(h, MLA_DECODE_GROUP_HEADS): params.num_chunks for h in range(0, heads, MLA_DECODE_GROUP_HEADS)}
+    tg_graph = out.task_graph.graph
+    weights = random_weights(config, 0, BF16)
+    gen = torch.Generator().manual_seed(0)
+    state = {t.name: (0.5 * torch.randn(t.shape, generator=gen)).to(t.dtype) for t in tg_graph.by_role(Role.STATE)}
+    ex = TableExecutor(table, weights, {k: v.clone() for k, v in state.items()})
+    tokens = torch.randint(0, config.vocab_size, (1,), generator=gen)
+    positions = torch.tensor([MAX_CONTEXT - 300])  # 3796 valid rows: every one of the 64 chunks holds rows
+    for step in range(2):
+        inputs = {"token_ids": tokens, "positions": positions + step}
+        expected = interpreter.run(tg_graph, {**weights, **inputs, **state})
+        ex.step(inputs)
+        assert torch.equal(ex.buffer("logits"), expected["logits"])
+        assert torch.equal(ex.buffer("next_tokens"), expected["next_tokens"])
+        routed = [r.tensor for t in out.task_graph.tasks if t.op.name == "router_topk" for r in t.results]
+        ids = ex.buffer(routed[0])  # the router_topk task's expert ids (the logits above prove they match)
+        assert ids.shape == (1, config.moe.top_k) and len(set(ids.flatten().tolist())) == config.moe.top_k
+        for k in state:
+            assert torch.equal(ex.pointers[table.state_id(k)], expected[k]), k
+            state[k] = expected[k]
+        tokens = expected["next_tokens"].long()
+
+
+@pytest.mark.slow
+def test_full_kimi_linear_48b_kernel_builds(tmp_path):
+    """The whole 27-layer kimi-linear-48b-a3b decode step at batch 1 is ONE sm_90a kernel (about 40 s on
+    this 2-core machine uncached: 20 s of passes over ~41.6k tasks, 14 s of cubin compile)."""
+    pytest.importorskip("cutlass")
+    from k3mk.compiler.pipeline import compile_artifact
+
+    t0 = time.perf_counter()
+    out = compile_artifact(load_config("kimi-linear-48b-a3b"), 1, 1, MAX_CONTEXT, "sm_90a", tmp_path / "art")
+    m = json.loads((out / "manifest.json").read_text())
+    assert (out / m["files"]["cubin"]).read_bytes()[:4] == b"\x7fELF"
+    assert m["max_context"] == MAX_CONTEXT and m["num_tasks"] > 40_000
+    ops = {v["op"] for v in m["variants"]}
+    assert {"router_topk", "mla_decode", "mla_v_up", "kda_recurrence", "expert_gated"} <= ops
+    print(f"full kimi-linear-48b-a3b build: {time.perf_counter() - t0:.1f} s, {m['num_tasks']} tasks")
