@@ -221,7 +221,6 @@ def compile_artifact(
     IR after capture / fusion and the task schedule as text, and manifest.json with the compile target
     (docs/megakernel.md "Artifact directory"). Returns the artifact directory."""
     import hashlib
-    import json
 
     from k3mk.codegen.build import build
     from k3mk.passes.emit_task_table import EmittedTable

@@ -15,7 +15,6 @@ so those parts only affect values the task discards. Pure torch, no CuTe DSL.
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Mapping, Sequence
 
 import torch

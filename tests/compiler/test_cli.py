@@ -34,17 +34,6 @@ def assert_error(capsys, *argv: str, says: str) -> None:
     assert sum(line.startswith("k3mk: error") for line in lines) == 1 and "Traceback" not in err, err
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: with one intra-op thread a decode step costs a fraction of what two
-    threads cost (measured on a loaded 2-core machine: 6.5 ms against 180 ms of CPU time), because
-    OpenMP's waiting threads spin on the cores the work needs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A random k3-tiny checkpoint written through the CLI."""

@@ -95,17 +95,6 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
             tensor.copy_(value)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: with one intra-op thread a decode step costs a fraction of what two
-    threads cost (measured on a loaded 2-core machine: 6.5 ms against 180 ms of CPU time), because
-    OpenMP's waiting threads spin on the cores the work needs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @dataclass
 class Case:
     """One model, run once by transformers: its checkpoint, the prompt, transformers' full-forward logits

@@ -18,7 +18,7 @@ from k3mk.ir import interpreter
 from k3mk.ir.graph import Role
 from k3mk.ir.table_exec import TableExecutor
 from k3mk.ir.task_table import FORMAT_VERSION, OP_KINDS, TaskTable
-from k3mk.passes.emit_task_table import LOWER, emit_task_table
+from k3mk.passes.emit_task_table import LOWER
 from k3mk.passes.manager import PIPELINE, Target, run_pipeline
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))

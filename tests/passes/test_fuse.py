@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -20,7 +19,7 @@ import pytest
 import torch
 
 from k3mk.compiler.capture import capture
-from k3mk.compiler.config import ModelConfig, load_config
+from k3mk.compiler.config import load_config
 from k3mk.compiler.random_weights import random_weights
 from k3mk.compiler.weights import state_specs
 from k3mk.ir import fused as F

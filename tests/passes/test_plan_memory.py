@@ -3,7 +3,6 @@ placement problems and real graphs, checked against networkx ancestry), and the 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import random
 

@@ -5,7 +5,6 @@ SM-ordered runs on a real byte arena reproduce the reference, and a missing depe
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import re
 
@@ -24,15 +23,6 @@ from k3mk.ir.tasks import TaskGraph
 from k3mk.passes.manager import PIPELINE, Target, run_pipeline, until
 
 ORDERS = 50
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small tensors: torch's intra-op threads only add contention (50x slower on a busy 2-core box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tasks_of(graph: Graph, target: Target, first: str = "tp_shard") -> TaskGraph:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from k3mk.compiler.capture import capture
-from k3mk.compiler.config import ModelConfig, load_config
+from k3mk.compiler.config import load_config
 from k3mk.compiler.random_weights import random_weights
 from k3mk.compiler.reference import DecodeStep
 from k3mk.compiler.weights import state_specs
