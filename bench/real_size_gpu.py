@@ -1,8 +1,9 @@
-"""The FULL kimi-linear-48b-a3b decode step (TP1, batch 1, max context 4096) as one megakernel on the GPU
-against the bf16 reference DecodeStep, both on the SAME random bf16 weight tensors generated on the GPU
-(`random_weights(..., device="cuda")`, ~98 GB; `build_decode_step` assigns them, DecodeModel binds them).
+"""A FULL-size decode step (TP1, batch 1, max context 4096: kimi-linear-48b-a3b, k3-proxy-16l, ...; the
+model is the artifact's) as one megakernel on the GPU against the bf16 reference DecodeStep, both on the
+SAME random weight tensors generated on the GPU (`random_weights(..., device="cuda")`, ~98 GB for Kimi
+Linear 48B; `build_decode_step` assigns them, DecodeModel binds them).
 
-    python bench/kimi_linear_real_gpu.py ARTIFACT_DIR [OUT_JSON]
+    python bench/real_size_gpu.py ARTIFACT_DIR [OUT_JSON]
 
 Teacher-forced with the reference's greedy tokens: 16 steps at positions 0..15, then 8 steps at
 4080..4087 (the cache rows between stay zero in both), comparing tokens (where the reference's top-1 /
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -32,7 +34,11 @@ def main(art: str, out: str | None) -> None:
     from k3mk.runtime.model import DecodeModel
 
     rec: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    config = load_config("kimi-linear-48b-a3b")
+    manifest = json.loads((Path(art) / "manifest.json").read_text())
+    if manifest["max_tokens"] != 1 or manifest["max_context"] != 4096:
+        raise SystemExit(f"{art}: this check runs batch 1, context 4096 artifacts")
+    config = load_config(manifest["model"])
+    rec["model"] = manifest["model"]
     dev = torch.device("cuda")
     t0 = time.perf_counter()
     weights = random_weights(config, 0, torch.bfloat16, device=dev)
