@@ -100,13 +100,19 @@ def _router_id_views(model):
     return views
 
 
-@pytest.mark.parametrize("name,batch", CASES)
-def test_whole_model_one_launch_per_step(name, batch):
+def artifact_or_skip(name: str, batch: int) -> Path:
+    """The prebuilt whole-model artifact; skips without CUDA or when it was not built."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     art = ARTIFACTS / f"model_{name}_b{batch}"
     if not (art / "manifest.json").exists():
         pytest.skip(f"{art} not built (tests/runtime/build_model_artifacts.py)")
+    return art
+
+
+@pytest.mark.parametrize("name,batch", CASES)
+def test_whole_model_one_launch_per_step(name, batch):
+    art = artifact_or_skip(name, batch)
     from k3mk.compiler.random_weights import random_weights
     from k3mk.ir import semantics
     from k3mk.runtime import megakernel as mk_module

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_model_gpu import ARTIFACTS, config_of  # noqa: E402
+from test_model_gpu import artifact_or_skip, config_of  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 STEPS = 1000
@@ -29,11 +29,7 @@ STEPS = 1000
 
 @pytest.mark.parametrize("name,batch", [("k3-tiny", 1), ("k3-tiny", 4)])
 def test_whole_model_graph_replay_equals_eager(name, batch):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    art = ARTIFACTS / f"model_{name}_b{batch}"
-    if not (art / "manifest.json").exists():
-        pytest.skip(f"{art} not built (tests/runtime/build_model_artifacts.py)")
+    art = artifact_or_skip(name, batch)
     from k3mk.compiler.random_weights import random_weights
     from k3mk.runtime.model import DecodeModel
 
