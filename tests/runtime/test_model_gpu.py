@@ -54,7 +54,7 @@ def kimi_linear_small():
 def config_of(name: str):
     from k3mk.compiler.config import load_config
 
-    return load_config("k3-tiny") if name == "k3-tiny" else kimi_linear_small()
+    return kimi_linear_small() if name == "kl" else load_config(name)
 
 
 def _recording_step(config, weights, dtype):
