@@ -3,7 +3,8 @@
 # then compute-sanitizer memcheck / racecheck / synccheck (+ initcheck) on short k3-tiny runs, release and
 # debug builds, in parallel (one GPU, separate processes; --launch-timeout 0: 7 processes importing torch at
 # once took longer than the default 10 s to reach cuInit, and the tool then never attached). Logs -> $OUT (default /tmp/k3mk_sanitize).
-# Needs artifacts_dev/model_k3-tiny_b{1,4} and model_k3-tiny_b1_debug; k3mk importable.
+# Needs artifacts_dev/model_k3-tiny_b{1,4} and model_k3-tiny_b1_debug; k3mk importable. Every error is printed
+# (--print-limit, default 1000); SAN_EXTRA adds options, e.g. SAN_EXTRA='--report-api-errors no' keeps only device errors.
 OUT=${OUT:-/tmp/k3mk_sanitize}; mkdir -p "$OUT"
 CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer /usr/local/cuda*/compute-sanitizer/compute-sanitizer 2>/dev/null | head -1)
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv; echo "sanitizer: $CS"; "$CS" --version;
@@ -11,7 +12,7 @@ CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer /
 S=tests/runtime/sanitize_model.py
 san() {  # name tool steps artifact timeout
   local t0=$(date +%s)
-  timeout "$5" "$CS" --tool "$2" --launch-timeout 0 --print-limit 20 python "$S" --steps "$3" --artifact "$4" > "$OUT/$1.log" 2>&1
+  timeout "$5" "$CS" --tool "$2" --launch-timeout 0 --print-limit "${PRINT_LIMIT:-1000}" $SAN_EXTRA python "$S" --steps "$3" --artifact "$4" > "$OUT/$1.log" 2>&1
   echo "rc=$? wall_s=$(( $(date +%s) - t0 ))" >> "$OUT/$1.log"
 }
 t0=$(date +%s)
