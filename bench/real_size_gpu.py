@@ -17,6 +17,7 @@ steps) and the reference (10 steps), near the start and the end of the context.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -81,7 +82,7 @@ def main(art: str, out: str | None) -> None:
     tokens = torch.tensor([1234 + 977 * b for b in range(batch)], device=dev) % config.vocab_size
     lag = torch.arange(batch, device=dev)  # row b runs b positions behind row 0
     steps = [*range(batch - 1, batch - 1 + HALF), *range(ctx - HALF, ctx)]
-    rec.update(steps=len(steps), token_mismatch_clear=0, token_mismatch_near_tie=0, near_tie_steps=0, logit_rel=[], gaps=[],
+    rec.update(steps=len(steps), token_mismatch_clear=0, token_mismatch_near_tie=0, near_tie_steps=0, logit_rel=[], gaps=[], mismatches=[],
                router_checked=0, router_mismatch=0, router_unclear=0)  # fmt: skip
     ref._moe = moe
     with torch.no_grad():
@@ -99,6 +100,12 @@ def main(art: str, out: str | None) -> None:
                 gap = float(top2[b, 0] - top2[b, 1])
                 rec["gaps"].append(gap)
                 same = int(next_tokens[b]) == int(want[b])
+                if not same:  # what the flip looked like: the reference's gap vs the kernel's error on those logits
+                    t1, t2 = int(want[b]), int(next_tokens[b])
+                    ulp = 2.0 ** (math.floor(math.log2(abs(float(top2[b, 0])))) - 7)  # bf16 spacing at the top logit
+                    rec["mismatches"].append({"step": (len(rec["gaps"]) - 1) // batch, "row": b, "position": int(positions[b]),
+                                              "ref_gap": gap, "ref_gap_bf16_ulps": gap / ulp,
+                                              "ref": [float(ref_b[t1]), float(ref_b[t2])], "kernel": [float(got_b[t1]), float(got_b[t2])]})  # fmt: skip
                 if gap < NEAR_TIE:
                     rec["near_tie_steps"] += 1
                     rec["token_mismatch_near_tie"] += not same
@@ -141,6 +148,7 @@ def main(art: str, out: str | None) -> None:
     print(json.dumps({k: v for k, v in rec.items() if not isinstance(v, list)}, indent=1))
     print("logit_rel", [f"{x:.2e}" for x in rec["logit_rel"]])
     print("gaps", [f"{x:.3f}" for x in rec["gaps"]])
+    print("mismatches", rec["mismatches"])
     if out:
         with open(out, "w") as f:
             json.dump(rec, f, indent=1)
