@@ -83,3 +83,15 @@ def test_markdown_rows():
     assert header.count("|") == rule.count("|") == with_mk.count("|") == baseline_only.count("|")
     assert "| k3-tiny | 1 | 1024 | 8192 | 200 / 1,210 | 250 / 260 | 100 | 50% | 40% | 1.25x | 12 |" == with_mk
     assert "| k3-tiny | 2 | 1024 | — | — | 250 / 260 | 100 | — | 40% | — | 12 |" == baseline_only
+
+
+def test_clear_mask_needs_more_than_two_bf16_ulps():
+    """A gap is clear above 0.05 AND above 2 bf16 ULPs at the top logit (ULP 1/32 on [4, 8), 1/16 on [8, 16))."""
+    import torch
+
+    pairs = [(4.78125, 4.71875, False), (4.8125, 4.71875, True), (0.5, 0.46, False), (12.0, 11.875, False),
+             (12.0, 11.8125, True), (-3.0, -3.5, True)]  # fmt: skip
+    logits = torch.full((len(pairs), 7), -20.0)
+    for i, (top, second, _) in enumerate(pairs):
+        logits[i, 2], logits[i, 5] = top, second
+    assert bench.clear_mask(logits.to(torch.bfloat16)).tolist() == [want for _, _, want in pairs]
