@@ -154,7 +154,7 @@ def build(
         raise BuildError(f"{len(table.lists)} task lists but the target has {sm_count} SMs (one CTA per SM)")
     encoded = table.encode(check=check)
     source = emit_source(table.variants, config)
-    smem = dynamic_smem_bytes(table.variants)
+    smem = dynamic_smem_bytes(table.variants, config)
     if smem > MAX_SMEM[arch]:
         raise BuildError(f"{smem} B of shared memory exceeds {MAX_SMEM[arch]} B on {arch}")
     kernel_dir, info = compile_source(source, arch, use_cache=use_cache)
@@ -173,7 +173,7 @@ def build(
     header = tt.read_header(encoded)
     manifest = {
         "manifest_version": MANIFEST_VERSION,
-        "abi_version": abi.ABI_VERSION,
+        "abi_version": abi.PROFILE_ABI_VERSION if config.profile else abi.ABI_VERSION,
         "task_table_format": tt.FORMAT_VERSION,
         "k3mk_version": K3MK_VERSION,
         "cutlass_dsl_version": cutlass_dsl_version(),
@@ -184,17 +184,21 @@ def build(
         "block_threads": config.threads,
         "dynamic_smem_bytes": smem,
         "debug": config.debug,
+        "profile": config.profile,
         "kernel_name": expected_name,
         "params": abi.params_json(),
         "control_words": abi.CONTROL_WORDS,
         "debug_words_per_cta": abi.DEBUG_WORDS,
+        **({"profile_words_per_task": abi.PROFILE_WORDS, "profile_ring_steps": abi.PROFILE_RING_STEPS} if config.profile else {}),
         "num_events": header["num_events"],
         "num_tasks": header["num_tasks"],
         "arena_bytes": table.arena_bytes,
         "buffers": [asdict(b) for b in table.buffers],
         "weights": [asdict(w) for w in table.weights],
         "states": [asdict(st) for st in table.states],
-        "pointer_table": "weights then states: entry i < len(weights) is weights[i], else states[i - len(weights)]",
+        **({"comm": {**asdict(table.comm), "nbytes": table.comm.nbytes}} if table.comm else {}),  # tp > 1
+        "pointer_table": "weights then states: entry i < len(weights) is weights[i], else states[i - len(weights)]"
+                         + ("; then comm['ranks'] entries: every rank's comm region, in rank order" if table.comm else ""),
         "variants": [v.to_json() for v in table.variants],
         "files": {"cubin": cubin_name, "task_table": "task_table.bin", "source": "megakernel.py",
                   "ptx": f"megakernel.{arch}.ptx"},

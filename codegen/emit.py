@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import jinja2
 
-from k3mk.codegen.ops import OP_CODEGEN, KernelConfig, VariantCode, smem_bytes, variant_code
+from k3mk.codegen.ops import OP_CODEGEN, KernelConfig, VariantCode, smem_bytes, stream_state_bytes, variant_code
 from k3mk.ir import task_table as tt
 from k3mk.ir.task_table import OpVariant
 from k3mk.runtime import abi
@@ -28,9 +28,9 @@ _ENV = jinja2.Environment(
 )
 
 
-def dynamic_smem_bytes(variants: list[OpVariant]) -> int:
+def dynamic_smem_bytes(variants: list[OpVariant], config: KernelConfig = KernelConfig()) -> int:
     """What the launch must pass as dynamic shared memory (op smem + scratch)."""
-    return smem_bytes(variants) + SCRATCH_BYTES
+    return smem_bytes(variants, config) + SCRATCH_BYTES
 
 
 def emit_source(variants: list[OpVariant], config: KernelConfig = KernelConfig()) -> str:
@@ -43,13 +43,15 @@ def emit_source(variants: list[OpVariant], config: KernelConfig = KernelConfig()
         _ENV.get_template(OP_CODEGEN[c.op].template).render(v=c, p=c.p, kc=config).rstrip() + "\n" for c in codes
     ]
     helpers = _ENV.get_template("helpers.py.j2").render(kc=config).rstrip() + "\n"
+    if config.weight_stream:
+        helpers += "\n\n" + _ENV.get_template("weight_stream.py.j2").render(kc=config, state_bytes=stream_state_bytes(config))
     return _ENV.get_template("megakernel.py.j2").render(
         kc=config,
         variants=codes,
         op_sources=op_sources,
         helpers=helpers,
-        smem_bytes=smem_bytes(variants),
-        dynamic_smem_bytes=dynamic_smem_bytes(variants),
+        smem_bytes=smem_bytes(variants, config),
+        dynamic_smem_bytes=dynamic_smem_bytes(variants, config),
         tt=SimpleNamespace(**{k: getattr(tt, k) for k in dir(tt) if k.isupper()}),
         abi=abi,
     )

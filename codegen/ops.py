@@ -5,7 +5,9 @@ Every op template (codegen/templates/<op>.py.j2) renders, for one variant `v`:
   def {{ v.fn }}_run(task, arena, weights, smem, scratch, tidx, warp, lane)     (always)
   def {{ v.fn }}_prefetch(task, arena, weights, tidx)                            (when `prefetch`)
 as `@cute.jit` functions. `_prefetch` runs BEFORE the task's wait (weights only: never read an
-activation there); `_run` runs after it. Neither knows about the task loop or the events.
+activation there); `_run` runs after it. Neither knows about the task loop or the events, except for
+ops that wait inside their body (`sync`: the collectives, which wait for the other ranks): their `_run`
+also gets (control, debug, epoch, cta, task_index, watchdog_ns) for the task loop's `wait_event`.
 """
 
 from __future__ import annotations
@@ -43,11 +45,17 @@ class KernelConfig:
 
     threads: int = 256
     debug: bool = False  # watchdog on every wait (docs/megakernel.md)
+    profile: bool = False  # per-task %globaltimer records (docs/megakernel.md "Profile builds")
     kernel_name: str = "k3mk_megakernel"
     # Tuning knobs (0 = the measured default, docs/megakernel.md "GPU results"):
     prefetch_bytes: int = 16 * 1024  # L2 bulk prefetch of the first bytes of a task's weights before its wait
     gemv_unroll: int = 0  # 16-byte weight loads in flight per lane per row (0: gemv_tuning's default)
     gemv_rows_per_warp: int = 0  # rows a warp streams at once (0: gemv_tuning's default)
+    # Weight streaming (gemv_stream): the gemv reads its weights from smem slots filled by 1-D bulk
+    # copies, the first ones issued before the task's wait. Off: the register-load path.
+    weight_stream: bool = False
+    stream_stages: int = 4  # slots per warp (copies in flight per warp)
+    stream_bytes: int = 128 * 1024  # the ring of slots per CTA (shrunk where the staged input leaves less)
 
     @property
     def warps(self) -> int:
@@ -60,6 +68,23 @@ class OpCodegen:
     smem_bytes: Callable[[object], int]
     check: Callable[[object], None]
     prefetch: bool = False
+    sync: bool = False  # the op waits inside its body (module docstring)
+
+
+@dataclass(frozen=True)
+class GemvStream:
+    """The weight-streaming layout of one gemv variant (KernelConfig.weight_stream). Each warp owns
+    `stages` slots; a fill is `rows_per_warp` rows x one K chunk of `chunk` elements (the gate rows,
+    then the up rows when gated), one bulk copy per row. A warp's fills run group by group (its rows
+    of the tile), chunk by chunk; fill f goes to slot f % stages. Slots are warp-private: the warp
+    that reads a slot refills it, so no slot is shared between warps."""
+
+    stages: int
+    chunk: int  # elements per row per fill (a multiple of 8; the last chunk of a row may be shorter)
+    chunks: int  # fills per row group: ceil(in / chunk)
+    slot_bytes: int
+    ring_offset: int  # byte offset of the slots in the op smem, after the staged input (and rstd)
+    ring_bytes: int
 
 
 @dataclass(frozen=True)
@@ -68,6 +93,7 @@ class GemvTuning:
     rows_per_warp: int
     prefetch_rows: int  # rows of the tile prefetched into L2 before the wait (0: none)
     x_smem: bool = True  # the input is staged in smem; False: read from the arena (gemv_x_in_smem)
+    stream: GemvStream | None = None  # weight streaming (KernelConfig.weight_stream)
 
 
 def gemv_x_in_smem(p: GemvParams) -> bool:
@@ -92,8 +118,40 @@ def gemv_tuning(p: GemvParams, config: KernelConfig) -> GemvTuning:
         rows = max(1, rows // 2)  # two weight streams per row (gate and up): the same loads in flight
     rows = config.gemv_rows_per_warp or rows
     unroll = config.gemv_unroll or unroll
+    if config.weight_stream:  # the bulk copies replace the L2 prefetch window
+        return GemvTuning(unroll, rows, 0, gemv_x_in_smem(p), gemv_stream(p, rows, config))
     prefetch_rows = -(-config.prefetch_bytes // (2 * p.in_features)) if config.prefetch_bytes > 0 else 0
     return GemvTuning(unroll, rows, prefetch_rows, gemv_x_in_smem(p))
+
+
+# sm_90's 227 KB of dynamic smem per block less the reduction scratch (codegen/emit.py SCRATCH_BYTES).
+OP_SMEM_LIMIT = 232448 - 1024
+MAX_STREAM_STAGES = 8
+MIN_STREAM_CHUNK = 64  # elements per row per fill: below this the copies get too small to stream well
+
+
+def stream_state_bytes(config: KernelConfig) -> int:
+    """The persistent weight-streaming state at the end of the kernel's smem (no op uses it): one
+    mbarrier per slot, then one int32 of phase bits per warp (bit s: the parity slot s waits for next)."""
+    return (config.warps * config.stream_stages * 8 + config.warps * 4 + 127) // 128 * 128
+
+
+def gemv_stream(p: GemvParams, rows: int, config: KernelConfig) -> GemvStream:
+    """Split the ring (config.stream_bytes, or what the staged input leaves of the smem) into
+    warps x stages slots, and each row into the fewest equal chunks (multiples of 8) a slot holds."""
+    _require(1 <= config.stream_stages <= MAX_STREAM_STAGES, f"stream_stages {config.stream_stages} outside [1, {MAX_STREAM_STAGES}]")
+    ring_offset = (_gemv_op_smem(p) + 127) // 128 * 128
+    ring = min(config.stream_bytes, OP_SMEM_LIMIT - stream_state_bytes(config) - ring_offset)
+    streams = rows * (2 if p.epilogue in GATED_EPILOGUES else 1)  # rows copied per fill
+    fit = ring // (config.warps * config.stream_stages * streams * 2) // VECTOR_ELEMENTS * VECTOR_ELEMENTS
+    _require(fit >= min(MIN_STREAM_CHUNK, p.in_features),
+             f"gemv weight streaming: {ring} B of smem left for {config.warps} warps x {config.stream_stages} slots x "
+             f"{streams} rows gives {fit} elements per row per fill (< {MIN_STREAM_CHUNK}): lower stream_stages or the batch")  # fmt: skip
+    # equal chunks of the fewest fills, then their count again (rounding up to 8 may need fewer)
+    chunk = -(-p.in_features // (-(-p.in_features // fit) * VECTOR_ELEMENTS)) * VECTOR_ELEMENTS
+    chunks = -(-p.in_features // chunk)
+    slot_bytes = streams * chunk * 2
+    return GemvStream(config.stream_stages, chunk, chunks, slot_bytes, ring_offset, config.warps * config.stream_stages * slot_bytes)
 
 
 @dataclass(frozen=True)
@@ -107,6 +165,12 @@ class VariantCode:
     fn: str
     prefetch: bool
     tuning: object = None
+    sync: bool = False
+
+    @property
+    def stream(self) -> bool:
+        """The op streams its weights through smem slots (its _prefetch also takes the smem)."""
+        return getattr(self.tuning, "stream", None) is not None
 
     def operand(self, name: str) -> int:
         """Task word holding operand `name` of this op kind."""
@@ -154,7 +218,8 @@ def _gemv_rstd_offset(p: GemvParams) -> int:
     return (p.batch * p.in_features * 2 + 15) // 16 * 16
 
 
-def _gemv_smem(p: GemvParams) -> int:
+def _gemv_op_smem(p: GemvParams) -> int:
+    """The register path's smem: the staged input (and the rstd table)."""
     if not gemv_x_in_smem(p):
         return 0  # x read from the arena (no rmsnorm, no gated_rmsnorm: _check_gemv)
     if p.epilogue == "gated_rmsnorm":
@@ -211,7 +276,7 @@ def _none(p: object) -> int:
 
 OP_CODEGEN: dict[str, OpCodegen] = {
     "nop": OpCodegen("nop.py.j2", _none, lambda p: None),
-    "gemv": OpCodegen("gemv.py.j2", _gemv_smem, _check_gemv, prefetch=True),
+    "gemv": OpCodegen("gemv.py.j2", _gemv_op_smem, _check_gemv, prefetch=True),
     "rmsnorm": OpCodegen("rmsnorm.py.j2", _none, _check_rmsnorm),
     "embedding": OpCodegen("embedding.py.j2", _none, _check_embedding),
     "argmax": OpCodegen("argmax.py.j2", _none, _check_argmax),
@@ -223,6 +288,9 @@ OP_CODEGEN: dict[str, OpCodegen] = {
 from k3mk.codegen.ops_moe_mla import MOE_MLA_CODEGEN  # noqa: E402  (the MoE / MLA ops live in their own module)
 
 OP_CODEGEN.update(MOE_MLA_CODEGEN)
+from k3mk.codegen.ops_tp import TP_CODEGEN  # noqa: E402  (and the tensor-parallel ops theirs)
+
+OP_CODEGEN.update(TP_CODEGEN)
 assert set(OP_CODEGEN) == set(OP_KINDS), "every op kind needs a template"
 
 
@@ -230,11 +298,20 @@ def variant_code(index: int, variant: OpVariant, config: KernelConfig) -> Varian
     gen = OP_CODEGEN[variant.op]
     gen.check(variant.params)
     tuning = gemv_tuning(variant.params, config) if variant.op == "gemv" else None
-    prefetch = gen.prefetch and (tuning is None or tuning.prefetch_rows > 0)
-    return VariantCode(index, variant.op, variant.params, f"op{index}_{variant.op}", prefetch, tuning)
+    prefetch = gen.prefetch and (tuning is None or tuning.prefetch_rows > 0 or tuning.stream is not None)
+    return VariantCode(index, variant.op, variant.params, f"op{index}_{variant.op}", prefetch, tuning, gen.sync)
 
 
-def smem_bytes(variants: list[OpVariant]) -> int:
-    """Dynamic shared memory of the kernel: the largest op need, 128-byte rounded (ops share it)."""
-    need = max([OP_CODEGEN[v.op].smem_bytes(v.params) for v in variants] + [16])
-    return (need + 127) // 128 * 128
+def _op_smem(variant: OpVariant, config: KernelConfig) -> int:
+    if variant.op == "gemv" and config.weight_stream:
+        stream = gemv_tuning(variant.params, config).stream
+        return stream.ring_offset + stream.ring_bytes
+    return OP_CODEGEN[variant.op].smem_bytes(variant.params)
+
+
+def smem_bytes(variants: list[OpVariant], config: KernelConfig = KernelConfig()) -> int:
+    """Dynamic shared memory of the kernel: the largest op need, 128-byte rounded (ops share it), then
+    the weight-streaming state (stream_state_bytes) when streaming, which no op overlaps."""
+    need = max([_op_smem(v, config) for v in variants] + [16])
+    state = stream_state_bytes(config) if config.weight_stream else 0
+    return (need + 127) // 128 * 128 + state

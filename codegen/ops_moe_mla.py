@@ -34,30 +34,30 @@ def _a16(n: int) -> int:
 # ---- router ---------------------------------------------------------------------------------
 
 
+MAX_SELECT_EXPERTS = 32 * 32  # topk_select.py.j2 keeps ceil(E / 32) scores per lane in registers
+
+
 def router_smem_layout(p: RouterParams) -> dict:
-    """x (normalised, bf16 [B, dim]) | logits fp32 [B, E] | selection scores fp32 [B, E]."""
+    """x (normalised, bf16 [B, dim]) | logits fp32 [B, E] (the selection scores live in registers)."""
     logits = _a16(p.batch * p.dim * 2)
-    sel = logits + _a16(p.batch * p.num_experts * 4)
-    return {"logits": logits, "sel": sel, "total": sel + _a16(p.batch * p.num_experts * 4)}
+    return {"logits": logits, "total": logits + _a16(p.batch * p.num_experts * 4)}
+
+
+def _check_select(name: str, p: RouterParams | RouterTopkParams) -> None:
+    _check_batch(p.batch)
+    _require(1 <= p.top_k <= min(p.num_experts, MAX_TOP_K), f"{name} top_k {p.top_k} outside [1, min(E, {MAX_TOP_K})]")
+    _require(p.num_experts <= MAX_SELECT_EXPERTS, f"{name}: {p.num_experts} experts > {MAX_SELECT_EXPERTS} (selection scores per lane in registers)")
 
 
 def _check_router(p: RouterParams) -> None:
-    _check_batch(p.batch)
+    _check_select("router", p)
     _require(p.dim % VECTOR_ELEMENTS == 0, f"router dim {p.dim} not a multiple of {VECTOR_ELEMENTS}")
-    _require(1 <= p.top_k <= min(p.num_experts, MAX_TOP_K), f"router top_k {p.top_k} outside [1, min(E, {MAX_TOP_K})]")
     _require(router_smem_layout(p)["total"] <= X_SMEM_BUDGET,
              f"router smem {router_smem_layout(p)['total']} B > {X_SMEM_BUDGET} B: split the logits GEMV from the top-k")  # fmt: skip
 
 
-def router_topk_smem(p: RouterTopkParams) -> int:
-    """Selection scores fp32 [B, E] (the logits are read from the arena)."""
-    return _a16(p.batch * p.num_experts * 4)
-
-
 def _check_router_topk(p: RouterTopkParams) -> None:
-    _check_batch(p.batch)
-    _require(1 <= p.top_k <= min(p.num_experts, MAX_TOP_K), f"router_topk top_k {p.top_k} outside [1, min(E, {MAX_TOP_K})]")
-    _require(router_topk_smem(p) <= X_SMEM_BUDGET, f"router_topk smem {router_topk_smem(p)} B > {X_SMEM_BUDGET} B")
+    _check_select("router_topk", p)
 
 
 # ---- routed experts -------------------------------------------------------------------------
@@ -157,7 +157,7 @@ def _none(p: object) -> int:
 
 MOE_MLA_CODEGEN: dict[str, OpCodegen] = {
     "router": OpCodegen("router.py.j2", lambda p: router_smem_layout(p)["total"], _check_router),
-    "router_topk": OpCodegen("router_topk.py.j2", router_topk_smem, _check_router_topk),
+    "router_topk": OpCodegen("router_topk.py.j2", _none, _check_router_topk),
     "expert_gated": OpCodegen("expert_gated.py.j2", _expert_gated_smem, _check_expert_gated),
     "expert_combine": OpCodegen("expert_combine.py.j2", _expert_combine_smem, _check_expert_combine),
     "mla_latent": OpCodegen("mla_latent.py.j2", _none, _check_mla_latent),

@@ -202,6 +202,10 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--show-rank", type=int, metavar="R", help="also print which slice of every split tensor rank R loads")
     parser.add_argument("--out", type=Path, metavar="DIR", help="build the megakernel artifact (cubin, task table, manifest) into DIR")
     parser.add_argument("--until", choices=[p.name for p in PIPELINE], metavar="PASS", help="stop after this pass (default: run every pass written so far)")
+    parser.add_argument("--profile", action="store_true",
+                        help="with --out: a profile build, whose kernel records per-task timestamps (k3mk.runtime.profile; bench/timeline.py)")  # fmt: skip
+    parser.add_argument("--weight-stream", action="store_true",
+                        help="with --out: GEMVs stream their weights into smem with bulk copies issued before each task's wait (KernelConfig.weight_stream)")  # fmt: skip
 
 
 def compile_artifact(
@@ -215,19 +219,24 @@ def compile_artifact(
     dtype: torch.dtype = torch.bfloat16,
     progress: Callable[[str], None] | None = None,
     result: CompileResult | None = None,
+    profile: bool = False,
+    weight_stream: bool = False,
 ) -> Path:
     """The whole compile: capture, every pass through emit_task_table, then the CuTe DSL build of the
     table's ONE megakernel (codegen/build.py) into `out_dir`: cubin, task table, generated source, the
     IR after capture / fusion and the task schedule as text, and manifest.json with the compile target
-    (docs/megakernel.md "Artifact directory"). Returns the artifact directory."""
+    (docs/megakernel.md "Artifact directory"). `profile`: a profile build (per-task timestamps), with the
+    cost model's bytes per task in task_bytes.json. `weight_stream`: KernelConfig.weight_stream. Returns the
+    artifact directory."""
     import hashlib
+    import json
 
     from k3mk.codegen.build import build
+    from k3mk.codegen.ops import KernelConfig
     from k3mk.passes.emit_task_table import EmittedTable
+    from k3mk.passes.schedule import activation_bytes
 
     say = progress or (lambda line: None)
-    if tp != 1:
-        raise CompileError(f"--tp {tp}: the megakernel has no collective op kinds yet; artifacts are built for --tp 1")
     if result is None:
         result = compile_graph(config, tp, max_tokens, max_context, dtype, arch, None, say)
     emitted = result.output
@@ -253,13 +262,21 @@ def compile_artifact(
         "fusions": graph.meta.get("fusions", []),
         "predicted_step_s": emitted.task_graph.meta.get("predicted_step_s"),
     }
+    if tp > 1:  # which piece of each full weight / state / output rank r binds or returns (k3mk.runtime.tp)
+        meta["tp_shards"] = {t.name: {"dim": t.shard.dim, "parts": t.shard.parts, "groups": t.shard.groups}
+                             for t in graph.tensors.values() if t.shard is not None and t.role in (Role.WEIGHT, Role.STATE, Role.OUTPUT)}  # fmt: skip
     files = {
         "ir_captured.txt": result.captured.text() if hasattr(result.captured, "text") else str(result.captured),
         "ir_fused.txt": graph.text() if hasattr(graph, "text") else str(graph),
         "schedule.txt": emitted.text(),
         "compile_summary.txt": summary(result),
     }
-    out = build(emitted.table, out_dir, arch=arch, sm_count=result.target.num_sms, meta=meta, extra_files=files)
+    if profile:  # table order = the schedule's SM lists (emit_task_table)
+        tasks = [emitted.task_graph.tasks[i] for ids in emitted.task_graph.sm_lists for i in ids]
+        files["task_bytes.json"] = json.dumps({"weight_bytes": [t.weight_bytes for t in tasks],
+                                               "other_bytes": [activation_bytes(t, graph) for t in tasks]})  # fmt: skip
+    out = build(emitted.table, out_dir, arch=arch, sm_count=result.target.num_sms, config=KernelConfig(profile=profile, weight_stream=weight_stream), meta=meta,
+                extra_files=files)  # fmt: skip
     say(f"build: {out} in {time.perf_counter() - t0:.1f} s")
     return out
 
@@ -272,10 +289,16 @@ def run_compile(args: argparse.Namespace) -> int:
     config = load_config(args.model)
     progress = lambda line: print(f"k3mk: {line}", file=sys.stderr, flush=True)  # noqa: E731
     out_dir = getattr(args, "out", None)
+    profile = getattr(args, "profile", False)
+    weight_stream = getattr(args, "weight_stream", False)
+    for flag, on in (("--profile", profile), ("--weight-stream", weight_stream)):
+        if on and (out_dir is None or args.until is not None):
+            raise CompileError(f"{flag} applies to the artifact build: give --out (and no --until)")
     if out_dir is not None and args.until is None:
         result = compile_graph(config, args.tp, args.max_tokens, args.max_context, torch.bfloat16, args.arch, args.dump, progress)
         print(summary(result), end="")
-        path = compile_artifact(config, args.tp, args.max_tokens, args.max_context, args.arch, out_dir, progress=progress, result=result)
+        path = compile_artifact(config, args.tp, args.max_tokens, args.max_context, args.arch, out_dir, progress=progress, result=result,
+                                profile=profile, weight_stream=weight_stream)  # fmt: skip
         print(f"artifact: {path}")
         return 0
     # Without --out nothing needs the binary table: stop after the schedule and its deadlock check.

@@ -86,8 +86,17 @@ class AllReduce(Collective):
 
     def exchange(self, inputs):
         xs = [x for (x,) in inputs]
-        total = torch.stack(xs).to(F32).sum(0).to(xs[0].dtype)
+        total = rank_order_sum(xs)
         return [(total.clone(),) for _ in xs]
+
+
+def rank_order_sum(xs: list[torch.Tensor]) -> torch.Tensor:
+    """((x0 + x1) + x2) + ... in fp32, rounded once to the operands' dtype: the order the megakernel's
+    all_reduce adds the ranks' slots in (codegen/templates/all_reduce.py.j2), so it is bitwise equal."""
+    total = xs[0].to(F32)
+    for x in xs[1:]:
+        total = total + x.to(F32)
+    return total.to(xs[0].dtype)
 
 
 @op("all_gather", semantics_fn=_shape_only("all_gather", _gathered))

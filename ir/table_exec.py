@@ -11,6 +11,11 @@ task runs, and stores only its tile, so the values are bit-identical to the inte
 parts of the inputs outside the task's tile may not be written yet (a task waits only for the regions
 it reads) or already updated in place (state): every op kind here is independent along the tiled axis,
 so those parts only affect values the task discards. Pure torch, no CuTe DSL.
+
+A tensor-parallel table runs in a `RankGroup`: one executor per rank, their comm regions wired like the
+runtime wires the GPUs', the ranks in lockstep; a collective task runs the kernel's protocol on the
+bytes (push into every rank's slot of this step's parity, count the pushes, reduce or assemble from
+this rank's own slots), so wrong comm offsets, counters or rank indices show up as wrong values.
 """
 
 from __future__ import annotations
@@ -19,15 +24,16 @@ from typing import Mapping, Sequence
 
 import torch
 
-from k3mk.ir import fused, semantics
+from k3mk.ir import collectives, fused, semantics
 from k3mk.ir.ops import SiluMul, SituMul
-from k3mk.ir.task_table import MAX_ATTN_RES_SOURCES, Task, TaskTable
+from k3mk.ir.task_table import COLLECTIVE_OPS, MAX_ATTN_RES_SOURCES, TaskTable
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8}
 RESIDUALS = ("residual", "residual2", "residual3", "residual4")
 # operands that only say which part of the op's result a task stores
 TILE_OPERANDS = {"row_begin", "row_count", "batch_begin", "batch_count", "channel_begin", "channel_count", "head",
-                 "value_begin", "value_count", "head_begin", "head_count", "request", "chunk", "begin", "count"}  # fmt: skip
+                 "value_begin", "value_count", "head_begin", "head_count", "request", "chunk", "begin", "count",
+                 "col_begin", "col_count"}  # fmt: skip
 
 
 class TableExecError(RuntimeError):
@@ -75,6 +81,9 @@ class TableExecutor:
             self.pointers.append(t)
         self.arena = torch.full((max(table.arena_bytes, 16),), 0xFF, dtype=torch.uint8)
         self.order = table_order(table)
+        self.epoch = 0  # the step being run, 1-based (the kernel's epoch); 0 before the first
+        # this rank's comm region (tp > 1); a RankGroup appends every rank's to the pointer table
+        self.comm = torch.zeros(table.comm.nbytes, dtype=torch.uint8) if table.comm else None
 
     # ---- memory ---------------------------------------------------------------------------------
     def buf(self, offset: int, dtype: str | torch.dtype, shape: Sequence[int]) -> torch.Tensor:
@@ -93,24 +102,29 @@ class TableExecutor:
 
     # ---- running --------------------------------------------------------------------------------
     def step(self, inputs: Mapping[str, torch.Tensor]) -> None:
+        self.begin_step(inputs)
+        for s, i in self.order:
+            self.run_task(s, i)
+
+    def begin_step(self, inputs: Mapping[str, torch.Tensor]) -> None:
         for name, value in inputs.items():
             dst = self.buffer(name)
             dst.copy_(value.to(dst.dtype).view(dst.shape))
         self._memo: dict = {}
-        for s, i in self.order:
-            task = self.table.lists[s][i]
-            try:
-                self.run_task(task)
-            except TableExecError:
-                raise
-            except Exception as e:  # noqa: BLE001
-                raise TableExecError(f"list {s} task {i} ({task.label}): {type(e).__name__}: {e}") from e
+        self.epoch += 1
 
-    def run_task(self, task: Task) -> None:
+    def run_task(self, s: int, i: int, phase: str = "_op") -> None:
+        """Task i of list s; `phase` "_push" runs a collective's first half (RankGroup)."""
+        task = self.table.lists[s][i]
         v = self.table.variants[task.opcode]
         ops = {**dict.fromkeys(_operand_names(v.op), 0), **task.operands}
         key = (task.opcode, tuple(sorted((k, x) for k, x in ops.items() if k not in TILE_OPERANDS)))
-        getattr(self, f"_op_{v.op}")(v.params, ops, key)
+        try:
+            getattr(self, f"{phase}_{v.op}")(v.params, ops, key)
+        except TableExecError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise TableExecError(f"list {s} task {i} ({task.label}): {type(e).__name__}: {e}") from e
 
     def _whole(self, key, fn, *reads: torch.Tensor):
         """fn(), the whole op on memory as it is now; reused for the next task of the same variant and
@@ -186,7 +200,9 @@ class TableExecutor:
         self.buf(o["out"], "int32", (p.batch,))[b0 : b0 + bc] = semantics.argmax(logits[b0 : b0 + bc]).to(torch.int32)
 
     def _op_add(self, p, o, key) -> None:
-        raise TableExecError("add: element count unknown without the buffer table")  # not produced by the Kimi graphs
+        end = o["begin"] + o["count"]
+        a, b, out = (self.buf(o[n], p.dtype, (end,))[o["begin"] :] for n in ("a", "b", "out"))
+        out[:] = semantics.add(a, b)
 
     def _op_kda_conv(self, p, o, key) -> None:
         B, P = p.batch, p.channels
@@ -299,6 +315,90 @@ class TableExecutor:
         y = self._whole(key, lambda: fused.mla_v_up(oo, lse, self.ptr(o["weight"]), H, p.qk_nope, p.v_dim), oo, lse)
         h0, hc = o["head_begin"], o["head_count"]
         self.buf(o["out"], "bfloat16", (B, H * p.v_dim))[:, h0 * p.v_dim : (h0 + hc) * p.v_dim] = y[:, h0 * p.v_dim : (h0 + hc) * p.v_dim]
+
+
+    # ---- tensor parallelism: rank-local ops, and the collectives' two halves (RankGroup) ---------------
+    def _rank(self, o) -> int:
+        return int(self.buf(o["rank"], "int32", (1,))[0])
+
+    def _op_shard_slice(self, p, o, key) -> None:
+        rank = self.buf(o["rank"], "int32", (1,))
+        x = self.buf(o["x"], p.dtype, (p.rows, p.cols))
+        self.buf(o["out"], p.dtype, (p.rows, p.cols // p.parts))[:] = collectives.shard_slice(x, rank, 1, p.parts)
+
+    def _op_argmax_partial(self, p, o, key) -> None:
+        b0, bc = o["batch_begin"], o["batch_count"]
+        value, index = collectives.argmax_partial(self.buf(o["logits"], p.dtype, (p.batch, p.vocab))[b0 : b0 + bc])
+        self.buf(o["value"], "float32", (p.batch, 1))[b0 : b0 + bc] = value
+        self.buf(o["out"], "int32", (p.batch, 1))[b0 : b0 + bc] = index
+
+    def _op_argmax_combine(self, p, o, key) -> None:
+        values = self.buf(o["values"], "float32", (p.batch, p.ranks))
+        indices = self.buf(o["indices"], "int32", (p.batch, p.ranks))
+        self.buf(o["out"], "int32", (p.batch,))[:] = collectives.argmax_combine(values, indices, p.shard_size)
+
+    def _slot(self, o, p, region: int, source: int) -> torch.Tensor:
+        """Slot `source` ([rows, cols]) of this step's parity in the comm region of pointer entry `region`."""
+        offset = o["comm_offset"] + (self.epoch & 1) * o["comm_half"] + source * p.slot_bytes
+        return self.ptr(region)[offset : offset + p.rows * p.cols * DTYPES[p.dtype].itemsize].view(DTYPES[p.dtype]).view(p.rows, p.cols)
+
+    def _counter(self, o, region: int) -> torch.Tensor:
+        return self.ptr(region)[: self.table.comm.events * 8].view(torch.int64)[o["comm_event"] : o["comm_event"] + 1]
+
+    def _push_collective(self, p, o, key) -> None:
+        """This rank's columns into its slot of every rank's comm region, then one count on each."""
+        c = slice(o["col_begin"], o["col_begin"] + o["col_count"])
+        x = self.buf(o["x"], p.dtype, (p.rows, p.cols))
+        for q in range(p.ranks):
+            self._slot(o, p, o["comm"] + q, self._rank(o))[:, c] = x[:, c]
+            self._counter(o, o["comm"] + q).add_(1)
+
+    _push_all_reduce = _push_all_gather = _push_collective
+
+    def _received(self, p, o) -> list[torch.Tensor]:
+        """Every rank's columns from this rank's own slots, once every rank pushed this step."""
+        own = o["comm"] + self._rank(o)
+        count = int(self._counter(o, own))
+        if count != p.ranks * self.epoch:
+            raise TableExecError(f"comm event {o['comm_event']} holds {count} pushes, step {self.epoch} needs {p.ranks * self.epoch}")
+        c = slice(o["col_begin"], o["col_begin"] + o["col_count"])
+        return [self._slot(o, p, own, q)[:, c] for q in range(p.ranks)]
+
+    def _op_all_reduce(self, p, o, key) -> None:
+        c0, cc = o["col_begin"], o["col_count"]
+        self.buf(o["out"], p.dtype, (p.rows, p.cols))[:, c0 : c0 + cc] = collectives.rank_order_sum(self._received(p, o))
+
+    def _op_all_gather(self, p, o, key) -> None:
+        c0, cc = o["col_begin"], o["col_count"]
+        out = self.buf(o["out"], p.dtype, (p.rows, p.ranks * p.cols))
+        for q, piece in enumerate(self._received(p, o)):
+            out[:, q * p.cols + c0 : q * p.cols + c0 + cc] = piece
+
+
+class RankGroup:
+    """Every rank of a tensor-parallel table (`table.comm`): one TableExecutor per rank with its pieces of
+    the weights and state, each pointer table ending in every rank's comm region as the runtime binds
+    them on the GPUs. `step` runs the table on all ranks in lockstep, task by task; a collective task
+    first pushes on every rank, then every rank counts its pushes and reduces or assembles."""
+
+    def __init__(self, table: TaskTable, weights: Sequence[Mapping[str, torch.Tensor]], states: Sequence[Mapping[str, torch.Tensor]]):
+        if table.comm is None or len(weights) != table.comm.ranks or len(states) != table.comm.ranks:
+            raise TableExecError("a RankGroup needs a tensor-parallel table and the weights and states of each of its ranks")
+        self.table = table
+        self.ranks = [TableExecutor(table, w, st) for w, st in zip(weights, states)]
+        for ex in self.ranks:
+            ex.pointers += [other.comm for other in self.ranks]
+
+    def step(self, inputs: Mapping[str, torch.Tensor]) -> None:
+        """One step on every rank; `inputs` are the step inputs but the rank, which each rank gets its own."""
+        for rank, ex in enumerate(self.ranks):
+            ex.begin_step({**inputs, collectives.TP_RANK: torch.tensor([rank], dtype=torch.int32)})
+        for s, i in self.ranks[0].order:
+            if self.table.variants[self.table.lists[s][i].opcode].op in COLLECTIVE_OPS:
+                for ex in self.ranks:
+                    ex.run_task(s, i, "_push")
+            for ex in self.ranks:
+                ex.run_task(s, i)
 
 
 def _operand_names(op: str) -> tuple[str, ...]:

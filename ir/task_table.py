@@ -11,6 +11,9 @@ Events are 64-bit counters in device memory, monotonic across steps: during step
 signalling tasks, never written by hand (a miscounted arrival is a hang). docs/task_table.md
 describes the byte layout; `encode` / `decode` are its only reader and writer in Python.
 
+A tensor-parallel table (tp > 1) is run by every rank of its group alike; its collective tasks
+exchange through the ranks' comm regions (`CommSpec`; docs/task_table.md "Tensor parallelism").
+
 Pure Python (struct + json): importable without torch or CuTe DSL, by the passes, the codegen and
 the runtime alike.
 """
@@ -294,12 +297,79 @@ class MlaVUpParams:
     num_chunks: int
 
 
+# ---- tensor parallelism (spec 10; ir/collectives.py; docs/megakernel.md "Tensor parallelism") ----
+
+
+@dataclass(frozen=True)
+class CollectiveParams:
+    """all_reduce / all_gather (ir/collectives.py) of this rank's [rows, cols] operand over `ranks` ranks,
+    columns [col_begin, +col_count) per task. The task pushes its columns into slot `rank` of every
+    rank's comm region (parity = step & 1), release-adds 1 to comm event `comm_event` of every rank
+    (system scope), waits until its own reaches `ranks` per step, then all_reduce writes out = the slots
+    summed in rank order in fp32, rounded once (collectives.rank_order_sum; bitwise the same on every
+    rank), all_gather writes out[:, q*cols + c] = slot q [:, c] (out [rows, ranks*cols]). Slot q holds
+    rank q's whole operand ([rows, cols], `slot_bytes`); a collective's `ranks` slots are contiguous."""
+
+    ranks: int
+    rows: int
+    cols: int
+    dtype: str = "bfloat16"
+
+    @property
+    def slot_bytes(self) -> int:
+        return _align(self.rows * self.cols * DTYPE_BYTES[self.dtype], ARENA_ALIGN)
+
+    @property
+    def vector(self) -> int:
+        """Elements per access: 16 bytes when every row's columns allow it (task column ranges are
+        multiples of it: validate()), else 1."""
+        return _vector(self.cols, self.dtype)
+
+
+@dataclass(frozen=True)
+class ShardSliceParams:
+    """ir/collectives.shard_slice of a replicated [rows, cols] x (no communication): out [rows, cols/parts]
+    = x[:, r*cols/parts : (r+1)*cols/parts] for this rank r (read from the `rank` input at run time)."""
+
+    rows: int
+    cols: int
+    parts: int
+    dtype: str = "bfloat16"
+
+    @property
+    def vector(self) -> int:
+        """Elements per access of the slice (16 bytes when its width allows it)."""
+        return _vector(self.cols // self.parts, self.dtype)
+
+
+def _vector(cols: int, dtype: str) -> int:
+    per_16_bytes = 16 // DTYPE_BYTES[dtype]
+    return per_16_bytes if cols % per_16_bytes == 0 else 1
+
+
+@dataclass(frozen=True)
+class ArgmaxCombineParams:
+    """ir/collectives.argmax_combine: values fp32 / local indices int32 [batch, ranks] (every rank's greedy
+    candidate, gathered) -> out int32 [batch] = q * shard_size + indices[b, q] for the first rank q
+    holding the largest value (lowest vocabulary index on ties, as argmax)."""
+
+    ranks: int
+    batch: int
+    shard_size: int
+
+
 @dataclass(frozen=True)
 class OpKind:
     name: str
     params: type
     operands: tuple[str, ...]  # operand word k+TASK_HEADER_WORDS holds operands[k]
 
+
+# rank: the arena offset of the `tp_rank` step input; comm: the pointer-table index of rank 0's comm region
+# (rank q's is comm + q); comm_offset: byte offset of the collective's parity-0 slots in a comm region;
+# comm_half: bytes of one parity's slots (CommSpec.half)
+COLLECTIVE_OPERANDS = ("x", "out", "rank", "comm", "comm_event", "comm_offset", "comm_half", "col_begin", "col_count")
+COLLECTIVE_OPS = frozenset({"all_reduce", "all_gather"})
 
 OP_KINDS: Mapping[str, OpKind] = MappingProxyType(
     {
@@ -330,6 +400,12 @@ OP_KINDS: Mapping[str, OpKind] = MappingProxyType(
             OpKind("mla_decode", MlaDecodeParams, ("q", "positions", "out", "lse", "cache", "request", "chunk",
                                                    "head_begin", "head_count")),
             OpKind("mla_v_up", MlaVUpParams, ("o", "lse", "out", "weight", "head_begin", "head_count")),
+            OpKind("all_reduce", CollectiveParams, COLLECTIVE_OPERANDS),
+            OpKind("all_gather", CollectiveParams, COLLECTIVE_OPERANDS),
+            OpKind("shard_slice", ShardSliceParams, ("x", "out", "rank")),
+            # argmax over this rank's vocabulary shard: out = local index, value = fp32 of its logit
+            OpKind("argmax_partial", ArgmaxParams, ("logits", "out", "batch_begin", "batch_count", "value")),
+            OpKind("argmax_combine", ArgmaxCombineParams, ("values", "indices", "out")),
         )
     }
 )
@@ -347,6 +423,8 @@ ARENA_OPERANDS |= {"topk_weights", "positions", "q", "o", "lse"}
 WEIGHT_OPERANDS |= {"bias", "weight_up", "scale", "scale_up", "cache"}
 # Format 2: operands that index a STATE entry of the pointer table (after the weights).
 STATE_OPERANDS = frozenset({"state", "cache"})
+# Tensor-parallel operands (the comm ones are checked by validate()'s _check_comm).
+ARENA_OPERANDS |= {"rank", "value", "values", "indices"}
 
 
 @dataclass(frozen=True)
@@ -427,6 +505,27 @@ class StateSpec:
     layout: str = ""  # human-readable layout, e.g. "[batch, width-1, 3*P] q|k|v channels"
 
 
+@dataclass(frozen=True)
+class CommSpec:
+    """Tensor-parallel tables only: the comm region every rank allocates, with the same layout on every
+    rank (docs/task_table.md "Tensor parallelism"): int64 counters [events] at byte 0 (zero at
+    allocation, monotonic like the events), then the receive slots of parity 0 from `slots_offset` and
+    of parity 1 `half` bytes later. Pointer-table entry len(weights) + len(states) + q holds rank q's
+    comm region (its peer-mapped address on every other rank)."""
+
+    ranks: int
+    events: int  # comm counters: one per collective task, pushed once per step by every rank
+    half: int  # bytes of one parity's receive slots
+
+    @property
+    def slots_offset(self) -> int:
+        return _align(self.events * 8, 256)
+
+    @property
+    def nbytes(self) -> int:
+        return self.slots_offset + 2 * self.half
+
+
 BUFFER_ROLES = ("activation", "input", "output")
 
 
@@ -462,10 +561,16 @@ class TaskTable:
     buffers: list[BufferSpec] = field(default_factory=list)
     arena_bytes: int = 0
     states: list[StateSpec] = field(default_factory=list)  # format 2: pointer-table entries after the weights
+    comm: CommSpec | None = None  # tensor parallelism: the comm regions, pointer-table entries after the states
 
     @property
     def num_pointers(self) -> int:
-        """Entries of the kernel's pointer table: the weights, then the states."""
+        """Entries of the kernel's pointer table: the weights, the states, then every rank's comm region."""
+        return len(self.weights) + len(self.states) + (self.comm.ranks if self.comm else 0)
+
+    @property
+    def comm_pointer(self) -> int:
+        """Pointer-table index of rank 0's comm region (the `comm` operand of every collective)."""
         return len(self.weights) + len(self.states)
 
     def state_id(self, name: str) -> int:
@@ -523,7 +628,7 @@ class TaskTable:
                         raise TaskTableError(f"{where}: operand {name}={value} is not an int32")
                     if name in ARENA_OPERANDS and (value < 0 or value >= max(self.arena_bytes, 1) or value % ARENA_ALIGN):
                         raise TaskTableError(f"{where}: arena offset {name}={value} out of range or not {ARENA_ALIGN}-aligned")
-                    if name in WEIGHT_OPERANDS and not 0 <= value < self.num_pointers:
+                    if name in WEIGHT_OPERANDS and not 0 <= value < self.comm_pointer:
                         raise TaskTableError(f"{where}: weight id {name}={value} out of range (pointer table: {len(self.weights)} weights + {len(self.states)} states)")
                     if name in STATE_OPERANDS and self.states and value < len(self.weights):
                         raise TaskTableError(f"{where}: {name}={value} is a weight id, the table declares states")
@@ -535,11 +640,50 @@ class TaskTable:
                 for e in t.wait:
                     if counts[e] == 0:
                         raise TaskTableError(f"{where}: waits on event {e} ({self.events[e].name}) that no task signals")
+        self._check_comm()
         self.check_deadlock_free()
+
+    def _check_comm(self) -> None:
+        """Collectives only in a table with a comm region; each task's slots inside it; every comm counter
+        pushed by exactly one task per rank (a wait counts `ranks` pushes per step: a shared or unused
+        counter is a hang or a race)."""
+        users: dict[int, str] = {}
+        for s, tasks in enumerate(self.lists):
+            for i, t in enumerate(tasks):
+                v = self.variants[t.opcode]
+                if v.op not in COLLECTIVE_OPS:
+                    continue
+                where = f"list {s} task {i} ({t.label or 'unlabelled'})"
+                c, o = self.comm, t.operands
+                if c is None:
+                    raise TaskTableError(f"{where}: {v.op} in a table without a comm region (TaskTable.comm)")
+                if v.params.ranks != c.ranks or o.get("comm", 0) != self.comm_pointer or o.get("comm_half", 0) != c.half:
+                    raise TaskTableError(f"{where}: {v.op} over {v.params.ranks} ranks, comm {o.get('comm', 0)}, half "
+                                         f"{o.get('comm_half', 0)}; the table's comm region: {c.ranks} ranks at pointer "
+                                         f"{self.comm_pointer}, half {c.half}")  # fmt: skip
+                begin, end = o.get("comm_offset", 0), o.get("comm_offset", 0) + c.ranks * v.params.slot_bytes
+                if begin % ARENA_ALIGN or begin < c.slots_offset or end > c.slots_offset + c.half:
+                    raise TaskTableError(f"{where}: slots [{begin}, {end}) not 16-byte aligned inside parity 0's "
+                                         f"[{c.slots_offset}, {c.slots_offset + c.half})")  # fmt: skip
+                cols = (o.get("col_begin", 0), o.get("col_begin", 0) + o.get("col_count", 0))
+                if not 0 <= cols[0] < cols[1] <= v.params.cols or cols[0] % v.params.vector or cols[1] % v.params.vector:
+                    raise TaskTableError(f"{where}: columns {cols} outside [0, {v.params.cols}) or not multiples of {v.params.vector}")
+                event = o.get("comm_event", 0)
+                if not 0 <= event < c.events or event in users:
+                    raise TaskTableError(f"{where}: comm event {event} out of range ({c.events}) or also pushed by {users.get(event)}")
+                users[event] = where
+        if self.comm is not None and len(users) != self.comm.events:
+            raise TaskTableError(f"comm region declares {self.comm.events} counters, {len(users)} collective tasks push them")
 
     def check_deadlock_free(self) -> None:
         """Execute one step abstractly: each CTA runs its list in order, a task starts once all its
-        waited events reached their per-step count. Every task must run (with every CTA resident)."""
+        waited events reached their per-step count. Every task must run (with every CTA resident).
+
+        A collective task also waits inside its body, for every rank's push of the same task. Every rank
+        runs this same table, so running this order on all ranks in lockstep (all pushes of a collective
+        before any rank's reduce) is a valid execution of the whole group: with every CTA of every rank
+        resident and waits that only ever become satisfied, some task can always progress, so this
+        one-rank check covers the group."""
         counts = self.event_counts()
         seen = [0] * len(self.events)
         pos = [0] * len(self.lists)
@@ -621,6 +765,7 @@ class TaskTable:
             "buffers": [asdict(b) for b in self.buffers],
             "arena_bytes": self.arena_bytes,
             "states": [asdict(st) for st in self.states],
+            **({"comm": asdict(self.comm)} if self.comm else {}),  # absent at tp 1: those tables are unchanged
         }
 
     @staticmethod
@@ -661,6 +806,7 @@ class TaskTable:
             buffers=[BufferSpec(b["name"], b["offset"], b["dtype"], tuple(b["shape"]), b.get("role", "activation")) for b in meta["buffers"]],
             arena_bytes=meta["arena_bytes"],
             states=[StateSpec(st["name"], st["dtype"], tuple(st["shape"]), st.get("layout", "")) for st in meta.get("states", [])],
+            comm=CommSpec(**meta["comm"]) if "comm" in meta else None,
         )
         eo = hdr[H_EVENTS_OFFSET]
         if list(words[eo : eo + hdr[H_NUM_EVENTS]]) != table.event_counts():

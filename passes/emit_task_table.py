@@ -29,7 +29,14 @@ latent cache row (the cache and positions come from the mla_cache_write node tha
 mla_cache_write a `nop` that keeps the graph's events (it waits on the latent task and signals the
 decode tasks). An unfused router (gate > 256 KB, passes/fuse_epilogue.py) is its fp32 `linear` (gemv
 variants with out_dtype float32) + `router_topk`, one task for all rows; mla_decode tiles are head groups
-of <= MLA_DECODE_GROUP_HEADS (passes/tile.py). Collectives (tp > 1) have no op kind yet.
+of <= MLA_DECODE_GROUP_HEADS (passes/tile.py).
+
+Tensor parallelism (tp > 1, docs/task_table.md "Tensor parallelism"): every rank runs this same table.
+all_reduce / all_gather tasks (column chunks of a [rows, cols] operand) get receive slots in the comm
+region (`CommSpec`: per collective node `ranks` slots of its whole operand, in node order; per
+collective task one comm counter, in task order) and read this rank's index from the `tp_rank` step
+input, which is always placed in the arena; shard_slice, argmax_partial and argmax_combine are
+rank-local ops.
 """
 
 from __future__ import annotations
@@ -38,14 +45,19 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from k3mk.ir.collectives import TP_RANK
 from k3mk.ir.graph import Graph, Role
 from k3mk.ir.ops import SiluMul, SituMul
 from k3mk.ir.task_table import (
+    COLLECTIVE_OPS,
     MAX_ATTN_RES_SOURCES,
     AddParams,
+    ArgmaxCombineParams,
     ArgmaxParams,
     AttnResParams,
     BufferSpec,
+    CollectiveParams,
+    CommSpec,
     EmbeddingParams,
     Event,
     ExpertCombineParams,
@@ -62,6 +74,7 @@ from k3mk.ir.task_table import (
     RmsnormParams,
     RouterParams,
     RouterTopkParams,
+    ShardSliceParams,
     StateSpec,
     Task,
     TaskTable,
@@ -86,11 +99,23 @@ def dtype_name(dtype) -> str:
 
 
 @dataclass
+class _CommLayout:
+    """Where the collectives exchange: the comm region, each collective node's parity-0 slots (byte
+    offset in a comm region) and each collective task's comm counter."""
+
+    spec: CommSpec
+    pointer: int  # pointer-table index of rank 0's comm region
+    slots: dict[str, int]
+    events: dict[int, int]
+
+
+@dataclass
 class _Context:
     graph: Graph
     offsets: dict[str, int]  # arena byte offset of every activation and io tensor
     weight_ids: dict[str, int]
     state_ids: dict[str, int]  # pointer-table index of every state (after the weights)
+    comm: _CommLayout | None = None
 
     def state(self, task: GraphTask, name: str) -> int:
         base = buffer_name(self.graph, name)
@@ -254,16 +279,20 @@ def _embedding(task: GraphTask, ctx: _Context) -> Lowered:
 
 
 def _argmax(task: GraphTask, ctx: _Context) -> Lowered:
+    """argmax, and argmax_partial (one vocabulary shard under tp: results (value, local index))."""
     (logits,) = task.args
-    (out,) = task.results
+    *value, out = task.results
     batch, vocab = ctx.shape(logits)
     (box,) = out.boxes
-    if logits.boxes[0][0] != box[0]:
-        raise EmitError(f"task t{task.id} ({task.node}): reads logits rows {logits.boxes[0][0]}, writes {box[0]}")
+    if logits.boxes[0][0] != box[0] or any(v.boxes != out.boxes for v in value):
+        raise EmitError(f"task t{task.id} ({task.node}): reads logits rows {logits.boxes[0][0]}, writes {[r.text() for r in task.results]}")
     ctx.dtype(task, out, ("int32",))
     params = ArgmaxParams(vocab=vocab, batch=batch, dtype=ctx.dtype(task, logits, ("bfloat16", "float32")))
     operands = {"logits": ctx.arena(task, logits.tensor), "out": ctx.arena(task, out.tensor), "batch_begin": box[0][0], "batch_count": box[0][1] - box[0][0]}
-    return OpVariant("argmax", params), operands
+    for v in value:
+        ctx.dtype(task, v, ("float32",))
+        operands["value"] = ctx.arena(task, v.tensor)
+    return OpVariant(task.op.name, params), operands
 
 
 def _add(task: GraphTask, ctx: _Context) -> Lowered:
@@ -494,6 +523,81 @@ def _mla_v_up(task: GraphTask, ctx: _Context) -> Lowered:
     return OpVariant("mla_v_up", params), operands
 
 
+# --- tensor parallelism
+
+
+def _collective_params(task: GraphTask, ctx: _Context) -> CollectiveParams:
+    """all_reduce / all_gather of a [rows, cols] operand (all_gather along cols: the shapes tp_shard makes)."""
+    (x,) = task.args
+    shape = ctx.shape(x)
+    if len(shape) != 2 or getattr(task.op, "dim", 1) != 1:
+        raise EmitError(f"task t{task.id} ({task.node}): {task.op.describe()} of a {list(shape)} operand; the megakernel "
+                        f"exchanges [rows, cols] operands (all_gather along cols)")  # fmt: skip
+    allowed = ("bfloat16",) if task.op.name == "all_reduce" else ("bfloat16", "float32", "int32")
+    return CollectiveParams(task.op.ranks, shape[0], shape[1], ctx.dtype(task, x, allowed))
+
+
+def _comm_layout(tg: TaskGraph, ctx: _Context, pointer: int) -> _CommLayout | None:
+    """The comm region of a tensor-parallel task graph (module docstring); None without collectives."""
+    tasks = [t for t in tg.tasks if t.op is not None and t.op.name in COLLECTIVE_OPS]
+    if not tasks:
+        return None
+    slots_offset = CommSpec(tasks[0].op.ranks, len(tasks), 0).slots_offset
+    slots: dict[str, int] = {}
+    end = slots_offset
+    for t in tasks:
+        if t.node not in slots:
+            params = _collective_params(t, ctx)
+            slots[t.node] = end
+            end += params.ranks * params.slot_bytes
+    spec = CommSpec(tasks[0].op.ranks, len(tasks), end - slots_offset)
+    return _CommLayout(spec, pointer, slots, {t.id: i for i, t in enumerate(tasks)})
+
+
+def _collective(task: GraphTask, ctx: _Context) -> Lowered:
+    """Columns [c0, c1) of every row (passes/tile.py): all_reduce stores them, all_gather their copy in
+    every rank's block of the result."""
+    p = _collective_params(task, ctx)
+    (x,), (out,) = task.args, task.results
+    (box,) = x.boxes
+    c0, c1 = box[1]
+    stored = (box,) if task.op.name == "all_reduce" else tuple(((0, p.rows), (q * p.cols + c0, q * p.cols + c1)) for q in range(p.ranks))
+    if box[0] != (0, p.rows) or out.boxes != stored:
+        raise EmitError(f"task t{task.id} ({task.node}): {task.op.name} takes columns of every row, the tile is {x.text()} -> {out.text()}")
+    ctx.dtype(task, out, (p.dtype,))
+    comm = ctx.comm
+    operands = {"x": ctx.arena(task, x.tensor), "out": ctx.arena(task, out.tensor), "rank": ctx.offsets[TP_RANK],
+                "comm": comm.pointer, "comm_event": comm.events[task.id], "comm_offset": comm.slots[task.node],
+                "comm_half": comm.spec.half, "col_begin": c0, "col_count": c1 - c0}  # fmt: skip
+    return OpVariant(task.op.name, p), operands
+
+
+def _shard_slice(task: GraphTask, ctx: _Context) -> Lowered:
+    x, rank = task.args
+    (out,) = task.results
+    shape = ctx.shape(x)
+    if len(shape) != 2 or task.op.dim != 1:
+        raise EmitError(f"task t{task.id} ({task.node}): shard_slice of a {list(shape)} tensor along dim {task.op.dim}; the megakernel slices [rows, cols] along cols")
+    ctx.whole(task, x)
+    ctx.whole(task, out)
+    params = ShardSliceParams(rows=shape[0], cols=shape[1], parts=task.op.parts, dtype=ctx.dtype(task, x))
+    return OpVariant("shard_slice", params), {"x": ctx.arena(task, x.tensor), "out": ctx.arena(task, out.tensor), "rank": ctx.arena(task, rank.tensor)}
+
+
+def _argmax_combine(task: GraphTask, ctx: _Context) -> Lowered:
+    values, indices = task.args
+    (out,) = task.results
+    for a in (values, indices, out):
+        ctx.whole(task, a)
+    batch, ranks = ctx.shape(values)
+    ctx.dtype(task, values, ("float32",))
+    ctx.dtype(task, indices, ("int32",))
+    ctx.dtype(task, out, ("int32",))
+    params = ArgmaxCombineParams(ranks=ranks, batch=batch, shard_size=task.op.shard_size)
+    operands = {"values": ctx.arena(task, values.tensor), "indices": ctx.arena(task, indices.tensor), "out": ctx.arena(task, out.tensor)}
+    return OpVariant("argmax_combine", params), operands
+
+
 LOWER: dict[str, Callable[[GraphTask, _Context], Lowered]] = {
     **dict.fromkeys(("linear", "rmsnorm_linear", "linear_residual", "gated_linear", "linear_sigmoid_gate", "linear_kda_gate",
                      "linear_gated_rmsnorm"), _gemv),  # fmt: skip
@@ -515,6 +619,11 @@ LOWER: dict[str, Callable[[GraphTask, _Context], Lowered]] = {
     "mla_q_absorb": _mla_q_absorb,
     "mla_decode": _mla_decode,
     "mla_v_up": _mla_v_up,
+    "all_reduce": _collective,
+    "all_gather": _collective,
+    "shard_slice": _shard_slice,
+    "argmax_partial": _argmax,
+    "argmax_combine": _argmax_combine,
 }
 
 
@@ -585,7 +694,8 @@ def _io_offsets(tg: TaskGraph) -> tuple[dict[str, int], int]:
     """Arena offsets for the step inputs and outputs tasks touch, after the activations."""
     offsets: dict[str, int] = {}
     end = tg.arena_bytes
-    touched = sorted({r.tensor for t in tg.tasks for r in (*t.reads, *t.writes)})
+    touched = {r.tensor for t in tg.tasks for r in (*t.reads, *t.writes)}
+    touched = sorted(touched | ({TP_RANK} & set(tg.graph.tensors)))  # collectives read it undeclared: no task writes it
     for name in touched:
         tensor = tg.graph.tensors[name]
         if name in tg.arena or tensor.role not in (Role.INPUT, Role.OUTPUT):
@@ -618,6 +728,7 @@ def emit_task_table(tg: TaskGraph, target: Any = None) -> EmittedTable:
     weights = sorted(t.name for t in graph.by_role(Role.WEIGHT))
     states = sorted(t.name for t in graph.by_role(Role.STATE))
     ctx = _Context(graph, offsets, {n: i for i, n in enumerate(weights)}, {n: len(weights) + i for i, n in enumerate(states)})
+    ctx.comm = _comm_layout(tg, ctx, len(weights) + len(states))
     expected = {e.id: e.expected for e in tg.events}
     variants: dict[OpVariant, int] = {}
     lists: list[list[Task]] = []
@@ -645,5 +756,6 @@ def emit_task_table(tg: TaskGraph, target: Any = None) -> EmittedTable:
         ],
         arena_bytes=arena_bytes,
         states=[StateSpec(n, dtype_name(graph.tensors[n].dtype), graph.tensors[n].shape, state_layout(n)) for n in states],
+        comm=ctx.comm.spec if ctx.comm else None,
     )
     return EmittedTable(tg, table, table.encode())

@@ -9,5 +9,6 @@ cuda-bindings, weight binding, decode state. Imports neither CuTe DSL nor the co
 from k3mk.runtime.manifest import ArtifactError, load_manifest
 from k3mk.runtime.megakernel import Megakernel, WatchdogError
 from k3mk.runtime.model import DecodeModel
+from k3mk.runtime.tp import TPDecodeModel
 
-__all__ = ["ArtifactError", "DecodeModel", "Megakernel", "WatchdogError", "load_manifest"]
+__all__ = ["ArtifactError", "DecodeModel", "Megakernel", "TPDecodeModel", "WatchdogError", "load_manifest"]

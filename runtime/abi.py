@@ -48,6 +48,24 @@ DEBUG_FIELDS = ("status", "smid", "task", "event", "target", "counter", "epoch",
 STATUS_TIMED_OUT = 1  # this CTA's wait exceeded watchdog_us
 STATUS_ABORTED = 2  # this CTA stopped because another's watchdog fired
 
+# Profile builds (KernelConfig.profile): the SAME parameters, but the `debug` buffer continues after the
+# watchdog records with PROFILE_RING_STEPS slots of int64[num_tasks][PROFILE_WORDS], one record per task
+# indexed by its global task index (list offset + position); step e writes slot (e - 1) % PROFILE_RING_STEPS.
+# Thread 0 writes the %globaltimer (ns) at: the task's start (before the weight prefetch), its prefetch
+# issued, its waits satisfied, its op body done (after the CTA barrier), and just before its release atomic
+# (after the fence; = body_end for a task that signals nothing); then %smid and the step.
+PROFILE_WORDS = 7
+PROFILE_FIELDS = ("start", "prefetched", "wait_done", "body_end", "signal", "smid", "epoch")
+PROFILE_RING_STEPS = 4
+# A profile build's manifest says this instead of ABI_VERSION, so that a runtime which does not know the
+# longer `debug` buffer refuses the artifact instead of letting the kernel write past its allocation.
+PROFILE_ABI_VERSION = f"{ABI_VERSION}+profile"
+
+
+def profile_words(num_tasks: int) -> int:
+    """int64 words of the profile records after the watchdog records (profile builds)."""
+    return PROFILE_RING_STEPS * num_tasks * PROFILE_WORDS
+
 
 def params_json() -> list[dict]:
     return [p.to_json() for p in PARAMS]

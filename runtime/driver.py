@@ -78,3 +78,30 @@ def launch_cooperative(function, grid: int, threads: int, dynamic_smem: int, str
     config.attrs = [attr]
     config.numAttrs = 1
     check(driver.cuLaunchKernelEx(config, function, params.address, 0))
+
+
+def enable_peer_access(devices: list[int]) -> None:
+    """Let each device's primary context read and write every other's memory (the collectives of a
+    tensor-parallel artifact store into the other ranks' comm regions and add to their counters with
+    system-scope atomics). Already enabled is fine; a pair of devices without a peer path or without
+    native peer atomics (PCIe usually) is an error naming them."""
+    check(driver.cuInit(0))
+    handles = {d: check(driver.cuDeviceGet(d)) for d in devices}
+    contexts = {d: check(driver.cuDevicePrimaryCtxRetain(handles[d])) for d in devices}
+    try:
+        for d in devices:
+            check(driver.cuCtxSetCurrent(contexts[d]))
+            for peer in devices:
+                if peer == d:
+                    continue
+                if not check(driver.cuDeviceCanAccessPeer(handles[d], handles[peer])):
+                    raise CudaError(f"GPU {d} cannot access GPU {peer}'s memory (no NVLink / PCIe peer path): tensor parallelism needs one")
+                atomics = driver.CUdevice_P2PAttribute.CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED
+                if not check(driver.cuDeviceGetP2PAttribute(atomics, handles[d], handles[peer])):
+                    raise CudaError(f"GPU {d} has no native atomics on GPU {peer}'s memory: the collectives' counters need them (NVLink)")
+                result = driver.cuCtxEnablePeerAccess(contexts[peer], 0)
+                if (result[0] if isinstance(result, tuple) else result) != driver.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:
+                    check(result)
+    finally:
+        for d in devices:
+            driver.cuDevicePrimaryCtxRelease(handles[d])

@@ -55,13 +55,17 @@ def check_versions(m: Manifest) -> None:
         raise ArtifactError(f"manifest version {m.data.get('manifest_version')}; this runtime reads {MANIFEST_VERSION}")
     if m["task_table_format"] != FORMAT_VERSION:
         raise ArtifactError(f"task table format {m['task_table_format']}; this runtime reads {FORMAT_VERSION}")
-    if m["abi_version"] != abi.ABI_VERSION or m["params"] != abi.params_json():
+    profile = bool(m.data.get("profile", False))  # absent in artifacts built before profile builds existed
+    abi_version = abi.PROFILE_ABI_VERSION if profile else abi.ABI_VERSION
+    if m["abi_version"] != abi_version or m["params"] != abi.params_json():
         raise ArtifactError(
             f"kernel parameter ABI {m['abi_version']} {[p['name'] for p in m['params']]} differs from this "
-            f"runtime's {abi.ABI_VERSION} {[p.name for p in abi.PARAMS]}: rebuild with this k3mk"
+            f"runtime's {abi_version} {[p.name for p in abi.PARAMS]}: rebuild with this k3mk"
         )
     if m["control_words"] != abi.CONTROL_WORDS or m["debug_words_per_cta"] != abi.DEBUG_WORDS:
         raise ArtifactError("control / debug word counts differ from this runtime's: rebuild with this k3mk")
+    if profile and (m["profile_words_per_task"], m["profile_ring_steps"]) != (abi.PROFILE_WORDS, abi.PROFILE_RING_STEPS):
+        raise ArtifactError("profile record layout differs from this runtime's: rebuild with this k3mk")
 
 
 def check_device(m: Manifest, capability: tuple[int, int], sm_count: int, name: str = "this GPU") -> None:

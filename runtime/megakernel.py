@@ -7,6 +7,7 @@ device memory; event counters are monotonic, so nothing is reset between steps).
     mk.bind_states({name: tensor, ...})         # or mk.allocate_states(): decode state (format 2)
     mk.buffer("x").copy_(...)                   # named regions of the activation arena
     mk.step()                                   # one launch; in debug builds, mk.check() after it
+    mk.profile_records()                        # profile builds: the last step's per-task stamps (runtime/profile.py)
 
 The kernel's pointer table holds the weights, then the states (task table format 2): a state tensor
 is bound like a weight and updated in place by the kernel.
@@ -54,6 +55,7 @@ class Megakernel:
         self.threads = m["block_threads"]
         self.smem = m["dynamic_smem_bytes"]
         self.debug_build = bool(m["debug"])
+        self.profile_build = bool(m.data.get("profile", False))
         torch.cuda.init()
         with torch.cuda.device(self.device):
             self.module = Module(m.read_file("cubin"), m["kernel_name"], self.device.index, self.smem)
@@ -63,13 +65,24 @@ class Megakernel:
         self._table_words = torch.frombuffer(bytearray(self.table.device_bytes), dtype=torch.int32).to(dev)
         self.events = torch.zeros(max(self.table.num_events, 1), dtype=torch.int64, device=dev)
         self.control = torch.zeros(abi.CONTROL_WORDS, dtype=torch.int64, device=dev)
-        self.debug_records = torch.zeros(self.num_ctas * abi.DEBUG_WORDS, dtype=torch.int64, device=dev)
+        # The `debug` parameter's buffer: the watchdog records, then (profile builds) the per-task records.
+        watchdog_words = self.num_ctas * abi.DEBUG_WORDS
+        profile_words = abi.profile_words(self.table.num_tasks) if self.profile_build else 0
+        if watchdog_words + profile_words >= 2**31:
+            raise ArtifactError(f"{self.table.num_tasks} tasks: the profile records exceed the kernel's int32 offsets")
+        self._diagnostics = torch.zeros(watchdog_words + profile_words, dtype=torch.int64, device=dev)
+        self.debug_records = self._diagnostics[:watchdog_words]
+        self._profile_ring = self._diagnostics[watchdog_words:].view(-1, self.table.num_tasks, abi.PROFILE_WORDS) if profile_words else None
         self.arena = torch.empty(max(m["arena_bytes"], 16), dtype=torch.uint8, device=dev)
         if poison_arena:
             self.arena.fill_(0xFF)  # bf16 NaN everywhere: an unwritten output never looks right
         self.weight_specs = [(w["name"], w["dtype"], tuple(w["shape"])) for w in m["weights"]]
         self.state_specs = [(st["name"], st["dtype"], tuple(st["shape"])) for st in m.data.get("states", [])]
-        self.weight_table = torch.zeros(max(len(self.weight_specs) + len(self.state_specs), 1), dtype=torch.int64, device=dev)
+        # tensor-parallel artifacts: pointer-table entries after the states hold every rank's comm region
+        self.comm: dict | None = m.data.get("comm")
+        self._comm_bound = self.comm is None
+        pointers = len(self.weight_specs) + len(self.state_specs) + (self.comm["ranks"] if self.comm else 0)
+        self.weight_table = torch.zeros(max(pointers, 1), dtype=torch.int64, device=dev)
         self._states: dict[str, torch.Tensor] = {}
         self._weights: dict[str, torch.Tensor] = {}
         self._buffers = {b["name"]: b for b in m["buffers"]}
@@ -122,10 +135,20 @@ class Megakernel:
     def states(self) -> dict[str, torch.Tensor]:
         return dict(self._states)
 
+    def bind_comm(self, regions: list[int]) -> None:
+        """Tensor-parallel artifacts: the device address of every rank's comm region, in rank order, as
+        this device sees it (peer-mapped; k3mk.runtime.tp binds them)."""
+        if self.comm is None or len(regions) != self.comm["ranks"]:
+            raise ValueError(f"this artifact takes {self.comm['ranks'] if self.comm else 'no'} comm regions, got {len(regions)}")
+        pointers = self.weight_table.cpu()
+        pointers[len(self.weight_specs) + len(self.state_specs) :] = torch.tensor(regions, dtype=torch.int64)
+        self.weight_table.copy_(pointers)
+        self._comm_bound = True
+
     def missing_weights(self) -> list[str]:
         return [name for name, _, _ in self.weight_specs if name not in self._weights] + [
             name for name, _, _ in self.state_specs if name not in self._states
-        ]
+        ] + ([] if self._comm_bound else ["the comm regions of a tensor-parallel artifact: run it with k3mk.runtime.tp.TPDecodeModel"])
 
     def buffer(self, name: str) -> torch.Tensor:
         """A view of a named arena region, with its dtype and shape."""
@@ -184,11 +207,28 @@ class Megakernel:
             )
         raise WatchdogError("megakernel watchdog fired; per-CTA state:\n" + "\n".join(lines), records)
 
+    def profile_records(self, step: int | None = None) -> torch.Tensor:
+        """Profile builds: the per-task records of completed step `step` (1-based; default: the last one)
+        as int64 [num_tasks, abi.PROFILE_WORDS] on the CPU, columns abi.PROFILE_FIELDS, row = global task
+        index (synchronises). The last abi.PROFILE_RING_STEPS steps are kept. k3mk.runtime.profile turns
+        them into a trace and a summary."""
+        if self._profile_ring is None:
+            raise RuntimeError("not a profile build: compile with `k3mk compile --profile` (KernelConfig(profile=True))")
+        done = self.epoch
+        step = done if step is None else step
+        if not max(done - abi.PROFILE_RING_STEPS, 0) < step <= done:
+            raise ValueError(f"step {step} is not among the last {abi.PROFILE_RING_STEPS} completed steps (steps run: {done})")
+        records = self._profile_ring[(step - 1) % abi.PROFILE_RING_STEPS].cpu()
+        stale = (records[:, abi.PROFILE_FIELDS.index("epoch")] != step).nonzero().flatten().tolist()
+        if stale:
+            raise RuntimeError(f"{len(stale)} tasks did not finish in step {step} (e.g. global task {stale[0]}): no complete profile")
+        return records
+
     def reset(self) -> None:
-        """Zero the event counters, control words and watchdog records (after an aborted step)."""
+        """Zero the event counters, control words, watchdog and profile records (after an aborted step)."""
         self.events.zero_()
         self.control.zero_()
-        self.debug_records.zero_()
+        self._diagnostics.zero_()
 
     def close(self) -> None:
         self.module.unload()

@@ -15,10 +15,24 @@ HEADER_WORDS = 16
 TASK_WORDS = 32
 H_MAGIC, H_VERSION, H_NUM_LISTS, H_NUM_TASKS, H_NUM_EVENTS = 0, 1, 4, 5, 6
 H_LISTS_OFFSET, H_TASKS_OFFSET, H_DEVICE_WORDS, H_META_BYTES = 8, 9, 11, 12
+W_OPCODE, W_WAIT0, W_WAIT1, W_SIGNAL = 0, 1, 3, 5  # task words; an absent event is NO_EVENT
+NO_EVENT = -1
 
 
 class TaskTableFormatError(ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class TaskHeader:
+    """What the runtime needs of one task (profiles): where it runs, its op and its events."""
+
+    index: int  # global task index: list offset + position
+    cta: int
+    position: int  # in its list
+    opcode: int
+    waits: tuple[int, ...]
+    signal: int | None
 
 
 @dataclass(frozen=True)
@@ -40,6 +54,20 @@ class LoadedTable:
     def event_name(self, event: int) -> str:
         names = self.meta.get("events", [])
         return names[event] if 0 <= event < len(names) else "?"
+
+    def task_headers(self) -> list[TaskHeader]:
+        """Every task in global index order (list after list), read from the device part."""
+        words = struct.unpack_from(f"<{len(self.device_bytes) // 4}i", self.device_bytes)
+        offsets = words[self.lists_offset : self.lists_offset + self.num_lists + 1]
+        headers = []
+        for cta in range(self.num_lists):
+            for index in range(offsets[cta], offsets[cta + 1]):
+                base = self.tasks_offset + index * TASK_WORDS
+                w = words[base : base + W_SIGNAL + 1]
+                waits = tuple(e for e in (w[W_WAIT0], w[W_WAIT1]) if e != NO_EVENT)
+                signal = None if w[W_SIGNAL] == NO_EVENT else w[W_SIGNAL]
+                headers.append(TaskHeader(index, cta, index - offsets[cta], w[W_OPCODE], waits, signal))
+        return headers
 
 
 def read_table(data: bytes) -> LoadedTable:

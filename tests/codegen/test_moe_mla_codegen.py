@@ -20,6 +20,7 @@ from k3mk.ir.task_table import (
     MlaVUpParams,
     OpVariant,
     RouterParams,
+    RouterTopkParams,
     TaskTable,
 )
 
@@ -111,6 +112,17 @@ def test_bf16_experts_compile(cache):
         OpVariant("expert_combine", ExpertCombineParams(264, 520, 7, 4, 3, "bfloat16")),
     ])  # fmt: skip
     assert "ld.global.v4" in ptx and "cvt.rn.bf16.f32" in ptx
+
+
+def test_router_topk_compiles(cache):
+    """The register top-k (topk_select.py.j2) at Kimi Linear's 256 / top-8 and K3's 896 / top-16 experts, with
+    a ragged last lane group (E = 40); no shared memory, no local-memory spill of the per-lane scores."""
+    ptx, info = _compile([
+        OpVariant("router_topk", RouterTopkParams(256, 1, 8)),
+        OpVariant("router_topk", RouterTopkParams(896, 4, 16, renormalize=False, scaling=2.5)),
+        OpVariant("router_topk", RouterTopkParams(40, 3, 5)),
+    ])  # fmt: skip
+    assert "shfl.sync.bfly" in ptx and info["spill_store_bytes"] == 0, info
 
 
 def test_mla_decode_path_compiles(cache):

@@ -9,11 +9,10 @@ import random
 import pytest
 import torch
 
-from k3mk.compiler.capture import capture
 from k3mk.compiler.config import load_config
 from k3mk.ir import interpreter
 from k3mk.ir.graph import Graph, Node, Role, Tensor
-from k3mk.ir.ops import Add, Argmax, Embedding, Linear, RMSNorm
+from k3mk.ir.ops import Add, Argmax, Embedding, Linear, RMSNorm, SiluMul
 from k3mk.ir.simulate import Simulator, event_order, from_table, sm_order
 from k3mk.ir.task_table import OP_KINDS, TaskTable
 from k3mk.passes.emit_task_table import EmitError, EmittedTable, emit_task_table
@@ -116,13 +115,15 @@ def test_the_table_itself_runs_in_the_simulator():
 
 
 def test_names_what_the_format_cannot_express():
-    """Format 2 lowers every op kind of a tp=1 Kimi graph (tests/passes/test_emit_models.py); the
-    collectives of a tensor-parallel graph have no op kind yet, and the error names them with counts."""
-    config = load_config("k3-tiny")
-    graph = capture(config, 2, 8, BF16)
-    target = Target.for_arch(config, num_sms=16, tp=2, max_tokens=2, max_context=8)
-    tg = run_pipeline(graph, target, until("schedule")).output
-    with pytest.raises(EmitError, match=r"no op kind for: .*all_reduce \(\d+ tasks\)"):
+    """Format 2 lowers every op kind of the fused Kimi graphs, tensor-parallel ones included
+    (tests/passes/test_emit_models.py, test_emit_tp.py); an op kind the fuse pass always folds into a
+    GEMV epilogue has none, and the error names it with its task count."""
+    g = Graph(meta={"max_context": 1, "tp": 1})
+    for name, role in (("gate", Role.INPUT), ("up", Role.INPUT), ("y", Role.OUTPUT)):
+        g.add_tensor(Tensor(name, (1, 64), BF16, role))
+    g.add_node(Node("act", SiluMul(), ("gate", "up"), ("y",)))
+    tg, target = scheduled(g)
+    with pytest.raises(EmitError, match=r"no op kind for: silu_mul \(1 tasks\)"):
         emit_task_table(tg, target)
 
 

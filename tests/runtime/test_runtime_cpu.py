@@ -31,6 +31,7 @@ def test_runtime_imports_no_compiler_package():
         sys.meta_path.insert(0, Block())
         import k3mk.runtime
         from k3mk.runtime import Megakernel, WatchdogError, load_manifest
+        import k3mk.runtime.profile
         loaded = [m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in BLOCKED)]
         assert not loaded, loaded
         print("ok")
@@ -44,7 +45,7 @@ def test_reader_constants_agree_with_the_format():
     assert (table.FORMAT_VERSION, table.MAGIC, table.HEADER_WORDS, table.TASK_WORDS) == (
         tt.FORMAT_VERSION, tt.MAGIC, tt.HEADER_WORDS, tt.TASK_WORDS)  # fmt: skip
     for name in ("H_MAGIC", "H_VERSION", "H_NUM_LISTS", "H_NUM_TASKS", "H_NUM_EVENTS", "H_LISTS_OFFSET",
-                 "H_TASKS_OFFSET", "H_DEVICE_WORDS", "H_META_BYTES"):  # fmt: skip
+                 "H_TASKS_OFFSET", "H_DEVICE_WORDS", "H_META_BYTES", "W_OPCODE", "W_WAIT0", "W_WAIT1", "W_SIGNAL", "NO_EVENT"):  # fmt: skip
         assert getattr(table, name) == getattr(tt, name), name
 
 
@@ -83,3 +84,20 @@ def test_manifest_checks():
         check_versions(manifest(params=abi.params_json()[:-1]))
     with pytest.raises(ArtifactError, match="manifest version 7"):
         check_versions(manifest(manifest_version=7))
+
+
+def test_manifest_checks_profile_builds():
+    """A profile build says ABI "1+profile" (a runtime without profiles refuses it: its `debug` buffer
+    would be too short); artifacts from before profile builds (no "profile" key) still load."""
+    check_versions(manifest())  # no "profile" key: built before profile builds
+    check_versions(manifest(profile=False))
+    profile = dict(profile=True, abi_version=abi.PROFILE_ABI_VERSION, profile_words_per_task=abi.PROFILE_WORDS,
+                   profile_ring_steps=abi.PROFILE_RING_STEPS)  # fmt: skip
+    check_versions(manifest(**profile))
+    assert abi.PROFILE_ABI_VERSION == "1+profile"
+    with pytest.raises(ArtifactError, match=r"parameter ABI 1\+profile .* differs from this runtime's 1 "):
+        check_versions(manifest(abi_version=abi.PROFILE_ABI_VERSION))  # the flag is missing
+    with pytest.raises(ArtifactError, match=r"parameter ABI 1 .* runtime's 1\+profile"):
+        check_versions(manifest(**{**profile, "abi_version": abi.ABI_VERSION}))
+    with pytest.raises(ArtifactError, match="profile record layout"):
+        check_versions(manifest(**{**profile, "profile_words_per_task": abi.PROFILE_WORDS + 1}))

@@ -1,0 +1,334 @@
+"""The per-SM timeline of one decode step of a profile build (`k3mk compile --profile`, docs/megakernel.md
+"Profile builds"): a Chrome / Perfetto trace, a summary of where the time goes per op kind, and the
+hand-off latency of the events.
+
+    mk.step()
+    tl = Timeline.of(mk)                                   # the last completed step
+    json.dump(chrome_trace(tl), open("trace.json", "w"))   # ui.perfetto.dev or chrome://tracing
+    print(format_summary(summarize(tl)))
+
+Thread 0 of each CTA stamps %globaltimer (ns; one clock for the whole GPU, so stamps of different SMs
+compare) at five points of every task; the intervals between them are:
+
+* prefetch: thread 0 issuing its share of the op's L2 weight prefetch. The prefetch is asynchronous: its
+  bytes land during the wait and the body. Ops without a prefetch: only the stamp's own cost.
+* wait: thread 0 polling the waited event counters (ld.acquire.gpu) until they reach this step's target.
+  A task whose events were already signalled pays one poll per event (an L2 round trip).
+* body: the CTA barrier after the wait, the op body (loads of weights, activations and state, compute,
+  stores) and the CTA barrier after it. Streaming weights and computing overlap inside it and are not
+  separated: an op kind's bytes / body time is the bandwidth ONE CTA achieves running it (the GPU's is
+  that times the CTAs running it at once). An op that waits inside its body (the collectives, which wait
+  for the other ranks) shows that wait in its body.
+* fence: the fence.acq_rel.gpu before the release (until the body's stores are visible GPU-wide); zero for
+  a task that signals nothing.
+* between: from a task's signal stamp to the next task's start in the same list: the release atomic,
+  the stores of the record and reading the next task's words.
+Step wall = last signal stamp - first start stamp: the launch, the CTAs' set-up and the last CTA's exit
+are outside it. %globaltimer advances in steps (about 32 ns on H100 / H200 by reports, not measured here):
+an interval shorter than a step reads as 0 or one step, so per-task values of a few steps are noise, sums
+over many tasks are not. The summary reports the step seen in the records (`timer_step_ns`: the smallest
+gap between two distinct stamps of the step).
+
+Hand-off latency of an event = the waiter's wait_done - the event's LAST signaller's signal stamp (taken
+after the signaller's fence, just before its release atomic). It covers the atomic's trip to L2, the
+waiter's poll loop (up to one poll round trip late) and its acquire load. Only blocking waits measure it:
+the waiter was already waiting (its wait began before that signal) and this event was its last to be
+signalled; otherwise the waiter's own lateness or its other event would be counted. A blocking wait is
+always a cross-CTA hand-off: a signaller earlier in the waiter's own list signalled before it started.
+
+Bytes per task come from the compiler's cost model (passes/tile.py `weight_bytes`: a routed expert task
+counts ONE expert's rows; `other_bytes`: activations, state and KV cache read and written, from
+passes/schedule.py), written as task_bytes.json into profile artifacts; without it bytes are unknown.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from k3mk.runtime import abi
+from k3mk.runtime.table import LoadedTable, TaskHeader
+
+TASK_BYTES_FILE = "task_bytes.json"  # artifact file: {"weight_bytes": [...], "other_bytes": [...]} per global task
+INTERVALS = ("prefetch", "wait", "body", "fence")  # consecutive intervals of a task, in order
+_STAMPS = ("start", "prefetched", "wait_done", "body_end", "signal")  # their bounds
+TIMER_NOTE = "%globaltimer ns, one clock for the GPU; it advances in steps (~32 ns reported on H100/H200): per-task intervals of a few steps are not resolved"
+
+
+@dataclass(frozen=True)
+class TaskTimes:
+    """One task's stamps (ns of %globaltimer) and the SM it ran on."""
+
+    start: int
+    prefetched: int
+    wait_done: int
+    body_end: int
+    signal: int
+    smid: int
+
+    def interval(self, name: str) -> int:
+        i = INTERVALS.index(name)
+        return getattr(self, _STAMPS[i + 1]) - getattr(self, _STAMPS[i])
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """One (waiter, waited event) pair of a step."""
+
+    event: int
+    waiter: int  # global task index
+    signaller: int  # the event's last signaller in this step
+    latency: int  # ns: waiter's wait_done - signaller's signal stamp
+    blocking: bool  # the waiter was waiting for exactly this signal (module docstring)
+
+
+@dataclass(frozen=True)
+class Timeline:
+    step: int
+    headers: list[TaskHeader]  # global task index order
+    times: list[TaskTimes]
+    ops: list[str]  # op kind per task
+    labels: list[str]
+    event_names: list[str]
+    weight_bytes: list[int] | None  # cost model, per task (None: unknown)
+    other_bytes: list[int] | None
+
+    @staticmethod
+    def from_records(table: LoadedTable, records: Sequence[Sequence[int]], step: int, task_bytes: dict | None = None) -> Timeline:
+        """`records`: int64 [num_tasks, abi.PROFILE_WORDS] of step `step` (Megakernel.profile_records)."""
+        headers = table.task_headers()
+        if len(records) != len(headers):
+            raise ValueError(f"{len(records)} records for {len(headers)} tasks")
+        field = {name: i for i, name in enumerate(abi.PROFILE_FIELDS)}
+        for h, r in zip(headers, records):
+            if r[field["epoch"]] != step:
+                raise ValueError(f"task {h.index} (CTA {h.cta} #{h.position}) has a record of step {r[field['epoch']]}, not {step}")
+        times = [TaskTimes(*(int(r[field[name]]) for name in (*_STAMPS, "smid"))) for r in records]
+        variants = table.meta["variants"]
+        ops = [variants[h.opcode]["op"] for h in headers]
+        labels = [table.label(h.cta, h.position) for h in headers]
+        events = list(table.meta.get("events", []))
+        weight_bytes = other_bytes = None
+        if task_bytes is not None:
+            weight_bytes, other_bytes = list(task_bytes["weight_bytes"]), list(task_bytes["other_bytes"])
+            if len(weight_bytes) != len(headers) or len(other_bytes) != len(headers):
+                raise ValueError(f"{TASK_BYTES_FILE} lists {len(weight_bytes)} tasks, the table has {len(headers)}")
+        return Timeline(step, headers, times, ops, labels, events, weight_bytes, other_bytes)
+
+    @staticmethod
+    def of(mk, step: int | None = None) -> Timeline:
+        """The timeline of a Megakernel's completed step `step` (default: the last one)."""
+        import json
+
+        step = mk.epoch if step is None else step
+        records = mk.profile_records(step).tolist()
+        task_bytes = json.loads(mk.manifest.read_file(TASK_BYTES_FILE)) if TASK_BYTES_FILE in mk.manifest["files"] else None
+        return Timeline.from_records(mk.table, records, step, task_bytes)
+
+    def event_name(self, event: int) -> str:
+        return self.event_names[event] if 0 <= event < len(self.event_names) else f"e{event}"
+
+    @property
+    def t0(self) -> int:
+        return min(t.start for t in self.times)
+
+    @property
+    def t1(self) -> int:
+        return max(t.signal for t in self.times)
+
+    def lists(self) -> dict[int, list[int]]:
+        """CTA -> its tasks' global indices in list order (CTAs with tasks only)."""
+        out: dict[int, list[int]] = {}
+        for h in self.headers:
+            out.setdefault(h.cta, []).append(h.index)
+        return out
+
+    def last_signallers(self) -> dict[int, int]:
+        """Event -> global index of the task that signalled it last in this step."""
+        last: dict[int, int] = {}
+        for h, t in zip(self.headers, self.times):
+            if h.signal is not None and (h.signal not in last or t.signal > self.times[last[h.signal]].signal):
+                last[h.signal] = h.index
+        return last
+
+    def handoffs(self) -> list[Handoff]:
+        """Every (waiter, waited event) pair, against the event's last signaller of this step."""
+        last = self.last_signallers()
+        out = []
+        for h, t in zip(self.headers, self.times):
+            if not h.waits:
+                continue
+            binding = max(self.times[last[e]].signal for e in h.waits)
+            for e in h.waits:
+                s = self.times[last[e]].signal
+                out.append(Handoff(e, h.index, last[e], t.wait_done - s, s == binding and t.prefetched < s))
+        return out
+
+    def violations(self) -> list[str]:
+        """What contradicts the execution model: stamps out of order within a task, list order broken, or a
+        waiter done waiting before a signaller of its event signalled. Empty for a sound record."""
+        problems = []
+        for h, t in zip(self.headers, self.times):
+            stamps = [getattr(t, s) for s in _STAMPS]
+            if stamps != sorted(stamps):
+                problems.append(f"task {h.index} ({self.labels[h.index]}): stamps out of order {dict(zip(_STAMPS, stamps))}")
+        for tasks in self.lists().values():
+            for a, b in zip(tasks, tasks[1:]):
+                if self.times[b].start < self.times[a].signal:
+                    problems.append(f"task {b} ({self.labels[b]}) started before task {a} of its list ended")
+        last = self.last_signallers()
+        for h, t in zip(self.headers, self.times):
+            for e in h.waits:
+                if self.times[last[e]].signal > t.wait_done:
+                    problems.append(f"task {h.index} ({self.labels[h.index]}) finished waiting on event {e} before task {last[e]} signalled it")
+        return problems
+
+
+def percentile(values: Sequence[int], p: float) -> int | None:
+    """Nearest-rank percentile (p in (0, 100]): the smallest value with at least p% of the values at or
+    below it (the median of an even count is the lower middle value). None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(math.ceil(p / 100 * len(ordered)), 1) - 1]
+
+
+def timer_step(tl: Timeline) -> int | None:
+    """The smallest gap between two distinct stamps of the step: the timer's resolution, as observed."""
+    stamps = sorted({getattr(t, s) for t in tl.times for s in _STAMPS})
+    return min((b - a for a, b in zip(stamps, stamps[1:])), default=None)
+
+
+def summarize(tl: Timeline, slowest: int = 10) -> dict:
+    """Where the step's time goes (module docstring for what each interval holds): CTA time by interval,
+    per op kind (tasks, totals and means, bytes and bytes / body time), and event hand-off latency."""
+    t0, t1 = tl.t0, tl.t1
+    wall = t1 - t0
+    lists = tl.lists()
+    cta_time = {name: sum(t.interval(name) for t in tl.times) for name in INTERVALS}
+    cta_time["between"] = sum(tl.times[b].start - tl.times[a].signal for ts in lists.values() for a, b in zip(ts, ts[1:]))
+    cta_time["outside"] = sum((tl.times[ts[0]].start - t0) + (t1 - tl.times[ts[-1]].signal) for ts in lists.values())
+    window = len(lists) * wall
+    by_op: dict[str, dict] = {}
+    for i, op in enumerate(tl.ops):
+        s = by_op.setdefault(op, {"count": 0, **{f"{name}_ns": 0 for name in INTERVALS}, "weight_bytes": 0, "other_bytes": 0})
+        s["count"] += 1
+        for name in INTERVALS:
+            s[f"{name}_ns"] += tl.times[i].interval(name)
+        if tl.weight_bytes is not None:
+            s["weight_bytes"] += tl.weight_bytes[i]
+            s["other_bytes"] += tl.other_bytes[i]
+    for s in by_op.values():
+        for name in INTERVALS:
+            s[f"{name}_mean_ns"] = s[f"{name}_ns"] / s["count"]
+        moved = s["weight_bytes"] + s["other_bytes"]
+        s["body_GBps"] = moved / s["body_ns"] if tl.weight_bytes is not None and s["body_ns"] > 0 else None  # bytes / ns = GB/s
+        if tl.weight_bytes is None:
+            s["weight_bytes"] = s["other_bytes"] = None
+    handoffs = tl.handoffs()
+    blocking = [h for h in handoffs if h.blocking]
+    latencies = [h.latency for h in blocking]
+    total_bytes = sum(tl.weight_bytes) + sum(tl.other_bytes) if tl.weight_bytes is not None else None
+    return {
+        "step": tl.step,
+        "tasks": len(tl.times),
+        "ctas": len(lists),  # CTAs whose lists hold tasks
+        "wall_ns": wall,
+        "timer": TIMER_NOTE,
+        "timer_step_ns": timer_step(tl),
+        "cta_time_ns": cta_time,
+        "cta_time_fraction": {k: (v / window if window else 0.0) for k, v in cta_time.items()},
+        "by_op": dict(sorted(by_op.items(), key=lambda kv: -(kv[1]["wait_ns"] + kv[1]["body_ns"]))),
+        "handoff": {
+            "waits": len(handoffs),
+            "blocking": len(blocking),
+            "median_ns": percentile(latencies, 50),
+            "p90_ns": percentile(latencies, 90),
+            "max_ns": max(latencies) if latencies else None,
+            "slowest": [
+                {"event": tl.event_name(h.event), "latency_ns": h.latency,
+                 "waiter": tl.labels[h.waiter], "waiter_cta": tl.headers[h.waiter].cta,
+                 "signaller": tl.labels[h.signaller], "signaller_cta": tl.headers[h.signaller].cta}
+                for h in sorted(blocking, key=lambda h: -h.latency)[:slowest]
+            ],  # fmt: skip
+        },
+        "weight_bytes": sum(tl.weight_bytes) if tl.weight_bytes is not None else None,
+        "other_bytes": sum(tl.other_bytes) if tl.other_bytes is not None else None,
+        "step_GBps": total_bytes / wall if total_bytes is not None and wall > 0 else None,
+    }
+
+
+def _us(ns: float | None) -> str:
+    return "-" if ns is None else f"{ns / 1e3:.2f}"
+
+
+def format_summary(s: dict) -> str:
+    """summarize()'s dict as text."""
+    frac = s["cta_time_fraction"]
+    lines = [
+        f"k3mk profile: step {s['step']}, {s['tasks']} tasks on {s['ctas']} CTAs (lists with tasks), wall {_us(s['wall_ns'])} us "
+        "(first task start -> last task end; launch and CTA exit outside)",
+        f"timer: {s['timer']}; smallest gap between distinct stamps of this step: {s['timer_step_ns']} ns",
+        f"CTA time ({s['ctas']} CTAs x wall): "
+        + ", ".join(f"{name} {frac[name] * 100:.1f}%" for name in (*INTERVALS, "between", "outside")),
+        "",
+        f"{'op kind':16s} {'tasks':>6s} {'wait us':>10s} {'wait mean':>10s} {'body us':>10s} {'body mean':>10s} "
+        f"{'fence mean':>10s} {'MB':>9s} {'body GB/s':>9s}",
+    ]
+    for op, o in s["by_op"].items():
+        moved = None if o["weight_bytes"] is None else (o["weight_bytes"] + o["other_bytes"]) / 1e6
+        mb = "-" if moved is None else f"{moved:.2f}"
+        gbps = "-" if o["body_GBps"] is None else f"{o['body_GBps']:.1f}"
+        lines.append(
+            f"{op:16s} {o['count']:6d} {_us(o['wait_ns']):>10s} {_us(o['wait_mean_ns']):>10s} {_us(o['body_ns']):>10s} "
+            f"{_us(o['body_mean_ns']):>10s} {_us(o['fence_mean_ns']):>10s} {mb:>9s} {gbps:>9s}"
+        )
+    h = s["handoff"]
+    lines += ["", f"hand-off (last signal -> waiter's wait done) over the {h['blocking']} blocking of {h['waits']} waits: "
+                  f"median {_us(h['median_ns'])} us, p90 {_us(h['p90_ns'])} us, max {_us(h['max_ns'])} us; slowest:"]  # fmt: skip
+    for x in h["slowest"]:
+        lines.append(f"  {_us(x['latency_ns'])} us  {x['event']}: CTA {x['signaller_cta']} {x['signaller']} -> CTA {x['waiter_cta']} {x['waiter']}")
+    if s["weight_bytes"] is not None:
+        lines += ["", f"bytes (cost model): weights {s['weight_bytes'] / 1e6:.2f} MB, other {s['other_bytes'] / 1e6:.2f} MB; "
+                      f"over the wall: {s['step_GBps']:.1f} GB/s"]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def chrome_trace(tl: Timeline) -> dict:
+    """Chrome trace event JSON (Perfetto loads it): process = the step, one track per CTA (named with its
+    SM), one slice per task named by op kind with the intervals nested in it, and a flow arrow per blocking
+    hand-off. Times in us from the step's first task start."""
+    t0, pid = tl.t0, tl.step
+
+    def us(ns: int) -> float:
+        # 0.1 ns above the exact value: importers that truncate us * 1000 to integer ns (Perfetto's JSON
+        # reader) then get the exact ns, so the nested slices' bounds stay equal to their parent's.
+        return round(ns / 1e3 + 1e-4, 4)
+
+    events: list[dict] = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"k3mk step {tl.step}"}}]
+    for cta, tasks in tl.lists().items():
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": cta, "args": {"name": f"CTA {cta} (SM {tl.times[tasks[0]].smid})"}})
+        events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": cta, "args": {"sort_index": cta}})
+    for h, t in zip(tl.headers, tl.times):
+        args = {"label": tl.labels[h.index], "task": h.index, "position": h.position, "opcode": h.opcode,
+                "waits": [tl.event_name(e) for e in h.waits], "signal": None if h.signal is None else tl.event_name(h.signal),
+                **{f"{iv}_ns": t.interval(iv) for iv in INTERVALS}}  # fmt: skip
+        if tl.weight_bytes is not None:
+            args.update(weight_bytes=tl.weight_bytes[h.index], other_bytes=tl.other_bytes[h.index])
+        events.append({"ph": "X", "name": tl.ops[h.index], "cat": "task", "pid": pid, "tid": h.cta, "ts": us(t.start - t0),
+                       "dur": us(t.signal - t.start), "args": args})  # fmt: skip
+        for i, iv in enumerate(INTERVALS):
+            a, b = getattr(t, _STAMPS[i]), getattr(t, _STAMPS[i + 1])
+            if b > a:
+                events.append({"ph": "X", "name": iv, "cat": "interval", "pid": pid, "tid": h.cta, "ts": us(a - t0), "dur": us(b - a)})
+    for n, x in enumerate(x for x in tl.handoffs() if x.blocking):
+        src, dst = tl.headers[x.signaller], tl.headers[x.waiter]
+        # The arrow leaves 1 ns before the signal stamp: inside the signaller's slice, which ends at it.
+        flow = f"{(tl.step << 32) + n:#x}"  # unique across the steps of one trace file
+        events.append({"ph": "s", "id": flow, "name": tl.event_name(x.event), "cat": "handoff", "pid": pid, "tid": src.cta,
+                       "ts": us(tl.times[x.signaller].signal - 1 - t0)})  # fmt: skip
+        events.append({"ph": "f", "bp": "e", "id": flow, "name": tl.event_name(x.event), "cat": "handoff", "pid": pid, "tid": dst.cta,
+                       "ts": us(tl.times[x.waiter].wait_done - t0)})  # fmt: skip
+    return {"traceEvents": events, "displayTimeUnit": "ns",
+            "otherData": {"step": tl.step, "wall_ns": tl.t1 - t0, "timer": TIMER_NOTE}}  # fmt: skip
