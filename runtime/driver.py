@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 from cuda.bindings import driver
@@ -29,18 +30,26 @@ class Module:
         check(driver.cuInit(0))
         self.device = check(driver.cuDeviceGet(device_index))
         self.context = check(driver.cuDevicePrimaryCtxRetain(self.device))
-        check(driver.cuCtxSetCurrent(self.context))
         self._cubin = cubin  # keep alive while loading
-        self.module = check(driver.cuModuleLoadData(cubin))
-        try:
-            self.function = check(driver.cuModuleGetFunction(self.module, kernel_name.encode()))
-        except CudaError as e:
-            raise CudaError(f"kernel {kernel_name!r} not found in the cubin: {e}") from None
-        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        check(driver.cuFuncSetAttribute(self.function, attr, dynamic_smem))
+        with self.current():
+            self.module = check(driver.cuModuleLoadData(cubin))
+            try:
+                self.function = check(driver.cuModuleGetFunction(self.module, kernel_name.encode()))
+            except CudaError as e:
+                raise CudaError(f"kernel {kernel_name!r} not found in the cubin: {e}") from None
+            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            check(driver.cuFuncSetAttribute(self.function, attr, dynamic_smem))
 
-    def make_current(self) -> None:
+    @contextlib.contextmanager
+    def current(self):
+        """This module's context current for the block, the caller's restored after it: a launch on another
+        GPU (a tensor-parallel rank) must not move torch's current device."""
+        caller = check(driver.cuCtxGetCurrent())
         check(driver.cuCtxSetCurrent(self.context))
+        try:
+            yield
+        finally:
+            check(driver.cuCtxSetCurrent(caller))
 
     def max_blocks_per_sm(self, threads: int, dynamic_smem: int) -> int:
         return check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.function, threads, dynamic_smem))
@@ -84,8 +93,10 @@ def enable_peer_access(devices: list[int]) -> None:
     """Let each device's primary context read and write every other's memory (the collectives of a
     tensor-parallel artifact store into the other ranks' comm regions and add to their counters with
     system-scope atomics). Already enabled is fine; a pair of devices without a peer path or without
-    native peer atomics (PCIe usually) is an error naming them."""
+    native peer atomics (PCIe usually) is an error naming them. The caller's current context (torch's
+    current device) is restored: each device's context is made current only to enable its peers."""
     check(driver.cuInit(0))
+    caller = check(driver.cuCtxGetCurrent())
     handles = {d: check(driver.cuDeviceGet(d)) for d in devices}
     contexts = {d: check(driver.cuDevicePrimaryCtxRetain(handles[d])) for d in devices}
     try:
@@ -103,5 +114,6 @@ def enable_peer_access(devices: list[int]) -> None:
                 if (result[0] if isinstance(result, tuple) else result) != driver.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:
                     check(result)
     finally:
+        driver.cuCtxSetCurrent(caller)
         for d in devices:
             driver.cuDevicePrimaryCtxRelease(handles[d])

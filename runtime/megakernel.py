@@ -183,8 +183,8 @@ class Megakernel:
         if missing:
             raise RuntimeError(f"unbound weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        self.module.make_current()
-        launch_cooperative(self.module.function, self.num_ctas, self.threads, self.smem, stream, self._packed(watchdog_us))
+        with self.module.current():
+            launch_cooperative(self.module.function, self.num_ctas, self.threads, self.smem, stream, self._packed(watchdog_us))
 
     @property
     def epoch(self) -> int:

@@ -47,7 +47,9 @@ def test_tp2_step_matches_the_single_gpu_reference(name, batch):
 
     config = config_of(name)
     weights = random_weights(config, 0, torch.bfloat16, device=torch.device("cuda", 0))  # full weights, cut per rank
+    current = torch.cuda.current_device()
     model = TPDecodeModel(art, weights)
+    assert torch.cuda.current_device() == current, "loading the TP model changed the caller's current device"
     assert (model.tp, model.batch, model.max_context) == (TP, batch, MAX_CONTEXT)
     views = [_router_id_views(mk) for mk in model.ranks]
     agreement = {"checked_steps": 0, "rank_token_disagreements": 0, "rank_expert_disagreements": 0}
@@ -66,6 +68,7 @@ def test_tp2_step_matches_the_single_gpu_reference(name, batch):
         return next_tokens, logits
 
     rec = run_acceptance(config, batch, weights, step, views[0], launches_per_step=TP)
+    assert torch.cuda.current_device() == current, "a TP step changed the caller's current device"
     rec.update(agreement)
     report_and_check(f"{name}_b{batch}_tp{TP}", rec, launches_per_step=TP)
     assert agreement["checked_steps"] == STEPS
