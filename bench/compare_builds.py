@@ -1,0 +1,77 @@
+"""Several builds of ONE model (e.g. release vs `--weight-stream` variants) on the same GPU weights: do they
+compute the same step, and how fast is each?
+
+    python bench/compare_builds.py OUT_JSON ARTIFACT_DIR [ARTIFACT_DIR ...]
+
+All artifacts must be of the same model, batch and max context. Random weights are generated on the GPU
+once (`random_weights(config, 0, bf16, "cuda")`) and bound by every build; each build runs STEPS steps
+from zeroed decode state with the same token ids (the first build's greedy tokens fed back) at positions
+0, 1, ...; the logits of every step are compared bit for bit with the first build's (builds that differ
+only in how weights reach the SM, like the weight-streaming GEMV, run the same arithmetic in the same
+order). Then the step time: the mean of TIMED eager steps after 3 untimed ones (inputs on the GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+STEPS, TIMED = 8, 50
+
+
+def run(art: Path, weights, tokens: list[torch.Tensor] | None):
+    """(logits of every step, the tokens fed, mean step time in µs) of one build."""
+    from k3mk.runtime.model import DecodeModel
+
+    model = DecodeModel(art, weights)
+    batch = model.batch
+    tok = torch.arange(1, batch + 1, dtype=torch.int32, device="cuda") * 7
+    fed, logits = [], []
+    with torch.no_grad():
+        for t in range(STEPS):
+            tok = tokens[t] if tokens is not None else tok
+            fed.append(tok.clone())
+            next_tokens, out = model.step(tok, torch.full((batch,), t, dtype=torch.int32, device="cuda"))
+            logits.append(out.clone())
+            tok = next_tokens.clone()
+        pos = torch.full((batch,), STEPS, dtype=torch.int32, device="cuda")
+        for _ in range(3):
+            tok.copy_(model.step(tok, pos)[0])
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(TIMED):
+            tok.copy_(model.step(tok, pos)[0])
+        end.record()
+        torch.cuda.synchronize()
+    del model
+    return logits, fed, start.elapsed_time(end) * 1e3 / TIMED
+
+
+def main(out: str, arts: list[str]) -> None:
+    from k3mk.compiler.config import load_config
+    from k3mk.compiler.random_weights import random_weights
+
+    manifests = [json.loads((Path(a) / "manifest.json").read_text()) for a in arts]
+    keys = {(m["model"], m["max_tokens"], m["max_context"]) for m in manifests}
+    if len(keys) != 1:
+        raise SystemExit(f"the artifacts are of different models / batches / contexts: {sorted(keys)}")
+    weights = random_weights(load_config(manifests[0]["model"]), 0, torch.bfloat16, device="cuda")
+    rec = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": manifests[0]["model"],
+           "batch": manifests[0]["max_tokens"], "steps_compared": STEPS, "timed_steps": TIMED, "builds": []}  # fmt: skip
+    first, tokens = None, None
+    for art in arts:
+        logits, fed, us = run(Path(art), weights, tokens)
+        if first is None:
+            first, tokens = logits, fed
+        differ = [t for t, (a, b) in enumerate(zip(first, logits)) if not torch.equal(a, b)]
+        worst = max(float((a.float() - b.float()).abs().max()) for a, b in zip(first, logits))
+        rec["builds"].append({"artifact": art, "step_us": us, "steps_with_different_logits": differ, "max_abs_logit_diff": worst})
+        print(f"{art}: {us:9.1f} us/step, logits differ from the first build at steps {differ} (max |d| {worst:.3g})", flush=True)
+    Path(out).write_text(json.dumps(rec, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
