@@ -43,16 +43,19 @@ class Module:
     @contextlib.contextmanager
     def current(self):
         """This module's context current for the block, the caller's restored after it: a launch on another
-        GPU (a tensor-parallel rank) must not move torch's current device."""
+        GPU (a tensor-parallel rank) must not move torch's current device. A thread with no current context
+        keeps this one (unbinding it would leave later driver calls with none)."""
         caller = check(driver.cuCtxGetCurrent())
         check(driver.cuCtxSetCurrent(self.context))
         try:
             yield
         finally:
-            check(driver.cuCtxSetCurrent(caller))
+            if int(caller) != 0:
+                check(driver.cuCtxSetCurrent(caller))
 
     def max_blocks_per_sm(self, threads: int, dynamic_smem: int) -> int:
-        return check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.function, threads, dynamic_smem))
+        with self.current():
+            return check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.function, threads, dynamic_smem))
 
     def unload(self) -> None:
         if getattr(self, "module", None) is not None:
@@ -114,6 +117,7 @@ def enable_peer_access(devices: list[int]) -> None:
                 if (result[0] if isinstance(result, tuple) else result) != driver.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:
                     check(result)
     finally:
-        driver.cuCtxSetCurrent(caller)
+        if int(caller) != 0:
+            driver.cuCtxSetCurrent(caller)
         for d in devices:
             driver.cuDevicePrimaryCtxRelease(handles[d])
