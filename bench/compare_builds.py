@@ -8,7 +8,7 @@ once (`random_weights(config, 0, bf16, "cuda")`) and bound by every build; each 
 from zeroed decode state with the same token ids (the first build's greedy tokens fed back) at positions
 0, 1, ...; the logits of every step are compared bit for bit with the first build's (builds that differ
 only in how weights reach the SM, like the weight-streaming GEMV, run the same arithmetic in the same
-order). Then the step time: the mean of TIMED eager steps after 3 untimed ones (inputs on the GPU).
+order). Then the step time: bench/timeline.py's step_time_us (the mean of 50 eager steps after 3 untimed).
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ from pathlib import Path
 
 import torch
 
-STEPS, TIMED = 8, 50
+STEPS = 8
 
 
 def run(art: Path, weights, tokens: list[torch.Tensor] | None):
     """(logits of every step, the tokens fed, mean step time in µs) of one build."""
+    from k3mk.bench.timeline import step_time_us
     from k3mk.runtime.model import DecodeModel
 
     model = DecodeModel(art, weights)
@@ -37,20 +38,13 @@ def run(art: Path, weights, tokens: list[torch.Tensor] | None):
             next_tokens, out = model.step(tok, torch.full((batch,), t, dtype=torch.int32, device="cuda"))
             logits.append(out.clone())
             tok = next_tokens.clone()
-        pos = torch.full((batch,), STEPS, dtype=torch.int32, device="cuda")
-        for _ in range(3):
-            tok.copy_(model.step(tok, pos)[0])
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(TIMED):
-            tok.copy_(model.step(tok, pos)[0])
-        end.record()
-        torch.cuda.synchronize()
+        us = step_time_us(model, tok, torch.full((batch,), STEPS, dtype=torch.int32, device="cuda"))
     del model
-    return logits, fed, start.elapsed_time(end) * 1e3 / TIMED
+    return logits, fed, us
 
 
 def main(out: str, arts: list[str]) -> None:
+    from k3mk.bench.timeline import TIMED_STEPS
     from k3mk.compiler.config import load_config
     from k3mk.compiler.random_weights import random_weights
 
@@ -60,7 +54,7 @@ def main(out: str, arts: list[str]) -> None:
         raise SystemExit(f"the artifacts are of different models / batches / contexts: {sorted(keys)}")
     weights = random_weights(load_config(manifests[0]["model"]), 0, torch.bfloat16, device="cuda")
     rec = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": manifests[0]["model"],
-           "batch": manifests[0]["max_tokens"], "steps_compared": STEPS, "timed_steps": TIMED, "builds": []}  # fmt: skip
+           "batch": manifests[0]["max_tokens"], "steps_compared": STEPS, "timed_steps": TIMED_STEPS, "builds": []}  # fmt: skip
     first, tokens = None, None
     for art in arts:
         logits, fed, us = run(Path(art), weights, tokens)

@@ -103,15 +103,19 @@ def run_steps(case, mk, gen, weights, steps: int) -> dict[str, dict[str, float]]
     return worst
 
 
-@pytest.mark.parametrize("name", KDA_OP_CASES)
-def test_kda_case_matches_semantics(name):
-    case, mk = load(name)
+def check_case(name: str, case, mk) -> None:
+    """Three steps of a KDA-side case's artifact against the semantics (weights seeded by the case name)."""
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     weights = make_weights(case, gen)
     mk.bind_weights(weights)
     run_steps(case, mk, gen, weights, steps=3)
     assert mk.epoch == 3
     assert mk.events.tolist() == [3 * c for c in case.builder.table().event_counts()]
+
+
+@pytest.mark.parametrize("name", KDA_OP_CASES)
+def test_kda_case_matches_semantics(name):
+    check_case(name, *load(name))
 
 
 def _step_times(mk, n: int, flush: torch.Tensor | None) -> list[float]:

@@ -65,22 +65,28 @@ def compare(case, mk, inputs, weights) -> dict[str, float]:
     return errors
 
 
-@pytest.mark.parametrize("name", OP_CASES)
-def test_case_matches_semantics(name):
-    case, mk = load(name)
+def run_three_steps(name: str, case, mk, label: str) -> None:
+    """Three steps of a case's artifact against the semantics: random weights seeded by the case name,
+    fresh inputs every step; counters carry over (epochs 1, 2, 3)."""
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     weights = case.builder.random_weights(gen, "cuda")
     mk.bind_weights(weights)
-    for step in range(3):  # fresh inputs every step; counters carry over (epochs 1, 2, 3)
+    for step in range(3):
         inputs = {k: v.cuda() for k, v in case.inputs(gen).items()}
         for k, v in inputs.items():
             mk.buffer(k).copy_(v)
         mk.step()
         torch.cuda.synchronize()
         errors = compare(case, mk, inputs, weights)
-        print(f"{name} step {step + 1}: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
+        print(f"{label} step {step + 1}: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
     assert mk.epoch == 3
     assert mk.events.tolist() == [3 * c for c in case.builder.table().event_counts()]
+
+
+@pytest.mark.parametrize("name", OP_CASES)
+def test_case_matches_semantics(name):
+    case, mk = load(name)
+    run_three_steps(name, case, mk, name)
 
 
 def test_diamond_cuda_graph_1000_replays():

@@ -11,7 +11,6 @@ Artifacts come prebuilt: python tests/runtime/build_megakernel_cases.py --config
 from __future__ import annotations
 
 import sys
-import zlib
 from pathlib import Path
 
 import pytest
@@ -51,34 +50,17 @@ def load(name: str, suffix: str = SUFFIX):
 
 @pytest.mark.parametrize("name", FRAMEWORK_CASES)
 def test_streamed_case_matches_semantics(name):
-    from test_megakernel_gpu import compare
+    from test_megakernel_gpu import run_three_steps
 
     case, mk = load(name)
-    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-    weights = case.builder.random_weights(gen, "cuda")
-    mk.bind_weights(weights)
-    for step in range(3):
-        inputs = {k: v.cuda() for k, v in case.inputs(gen).items()}
-        for k, v in inputs.items():
-            mk.buffer(k).copy_(v)
-        mk.step()
-        torch.cuda.synchronize()
-        errors = compare(case, mk, inputs, weights)
-        print(f"{name}@{SUFFIX} step {step + 1}: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
-    assert mk.epoch == 3
-    assert mk.events.tolist() == [3 * c for c in case.builder.table().event_counts()]
+    run_three_steps(name, case, mk, f"{name}@{SUFFIX}")
 
 
 @pytest.mark.parametrize("name", KDA_CASES)
 def test_streamed_kda_case_matches_semantics(name):
-    from test_kda_ops_gpu import make_weights, run_steps
+    from test_kda_ops_gpu import check_case
 
-    case, mk = load(name)
-    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-    weights = make_weights(case, gen)
-    mk.bind_weights(weights)
-    run_steps(case, mk, gen, weights, steps=3)
-    assert mk.epoch == 3
+    check_case(name, *load(name))
 
 
 def _bench(mk, replays: int) -> float:
