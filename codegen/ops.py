@@ -128,6 +128,7 @@ def gemv_tuning(p: GemvParams, config: KernelConfig) -> GemvTuning:
 OP_SMEM_LIMIT = 232448 - 1024
 MAX_STREAM_STAGES = 8
 MIN_STREAM_CHUNK = 64  # elements per row per fill: below this the copies get too small to stream well
+LANE_ORDER_ELEMENTS = 32 * VECTOR_ELEMENTS  # one 16-byte load per lane: the dot loop's stride over a row
 
 
 def stream_state_bytes(config: KernelConfig) -> int:
@@ -147,8 +148,13 @@ def gemv_stream(p: GemvParams, rows: int, config: KernelConfig) -> GemvStream:
     _require(fit >= min(MIN_STREAM_CHUNK, p.in_features),
              f"gemv weight streaming: {ring} B of smem left for {config.warps} warps x {config.stream_stages} slots x "
              f"{streams} rows gives {fit} elements per row per fill (< {MIN_STREAM_CHUNK}): lower stream_stages or the batch")  # fmt: skip
-    # equal chunks of the fewest fills, then their count again (rounding up to 8 may need fewer)
-    chunk = -(-p.in_features // (-(-p.in_features // fit) * VECTOR_ELEMENTS)) * VECTOR_ELEMENTS
+    # Equal chunks of the fewest fills, then their count again (rounding up may need fewer). Chunks of a
+    # multiple of LANE_ORDER_ELEMENTS start every lane where the register path's lane would be, so each
+    # lane sums the same elements in the same order and the streamed build computes the release build's
+    # values bit for bit (other chunks regroup the fp32 partial sums: a different rounding).
+    step = LANE_ORDER_ELEMENTS if fit >= LANE_ORDER_ELEMENTS else VECTOR_ELEMENTS
+    fit = fit // step * step
+    chunk = -(-p.in_features // (-(-p.in_features // fit) * step)) * step
     chunks = -(-p.in_features // chunk)
     slot_bytes = streams * chunk * 2
     return GemvStream(config.stream_stages, chunk, chunks, slot_bytes, ring_offset, config.warps * config.stream_stages * slot_bytes)

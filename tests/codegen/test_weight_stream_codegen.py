@@ -60,6 +60,21 @@ def test_stream_layout_fits_and_follows_the_staged_input():
     assert dynamic_smem_bytes([OpVariant("gemv", p) for p in VARIANTS], STREAM) <= 232448
 
 
+def test_stream_chunks_keep_the_register_path_summation_order():
+    """Where a slot holds a whole lane stride (32 lanes x 8 elements), chunks are multiples of it, so every
+    lane sums its elements in the register path's order: the streamed build's values equal the release
+    build's bit for bit. Kimi Linear's K = 2304 took 464-element chunks before, and its streamed logits
+    differed from the release build's by up to 3 bf16 ULPs on the H200 (docs/megakernel.md)."""
+    shapes = [GemvParams(2304, 4096, 1), GemvParams(2304, 1024, 1, epilogue="silu_mul"), GemvParams(4096, 2304, 1, residuals=1),
+              GemvParams(7168, 16384, 1), GemvParams(7168, 2048, 4, rmsnorm=True, epilogue="situ_mul"), *VARIANTS]  # fmt: skip
+    for config in (STREAM, KernelConfig(weight_stream=True, stream_bytes=64 * 1024)):
+        for p in shapes:
+            st = gemv_tuning(p, config).stream
+            if p.in_features > st.chunk:  # several chunks: each must start on a lane-stride boundary
+                assert st.chunk % (32 * 8) == 0 or st.chunk < 32 * 8, (p, st)
+            assert st.chunk % 8 == 0 and (st.chunks - 1) * st.chunk < p.in_features <= st.chunks * st.chunk
+
+
 @pytest.mark.parametrize("config, message", [
     (KernelConfig(weight_stream=True, stream_stages=9), "stream_stages 9"),
     (KernelConfig(weight_stream=True, stream_bytes=4096), "elements per row per fill"),
