@@ -220,7 +220,7 @@ def _add_compile(subparsers: argparse._SubParsersAction) -> None:
             "NOMINAL bandwidth. With --dump, writes the IR after every pass and the schedule; with --arch and "
             "--out, writes the compiled artifact."
         ),
-        epilog="examples:\n\n  k3mk compile --model kimi-k3 --tp 8 --arch sm_100a\n  k3mk compile --model k3-tiny --max-tokens 4 --dump /tmp/k3-tiny-ir",
+        epilog="examples:\n\n  k3mk compile --model kimi-k3 --tp 8 --arch sm_100a --out k3-tp8-sm100a\n  k3mk compile --model k3-tiny --max-tokens 4 --dump /tmp/k3-tiny-ir",
         formatter_class=_Formatter,
     )
     add_compile_arguments(p)
@@ -241,7 +241,7 @@ def _add_inspect(subparsers: argparse._SubParsersAction) -> None:
         "inspect",
         help="summarise a compiled artifact directory",
         description=(
-            "Read an artifact directory written by 'k3mk compile --out' (or found in the compile cache), check "
+            "Read an artifact directory written by 'k3mk compile --out', check "
             "its manifest against this k3mk's runtime (format and ABI versions, file hashes) and print what it "
             "was compiled for and what it holds: target, model, kernel resources, task table and files."
         ),
