@@ -3,21 +3,22 @@
 * copy: device-to-device copy bandwidth (the roofline's denominator; a copy of N bytes moves 2N);
 * bench_nop_132: a step with one empty task per SM (launch + epoch protocol);
 * bench_handoff_1024: 1,024 dependent tasks hopping across 132 CTAs (event hand-off latency);
-* bench_gemv_b{1,4}_16384x7168: one 235 MB bf16 GEMV tiled over 132 CTAs x 4 tasks, against
-  torch's F.linear (cuBLAS), both timed as CUDA graph replays.
+* GEMV_BENCHES: one 235 MB bf16 GEMV tiled over 132 CTAs x 4 tasks (batch 1 and 4), 8 dependent 7168^2
+  GEMVs, and the streaming loop's chain of 4 dependent 16384 x 7168 GEMVs (940 MB), each against the
+  same GEMVs through torch (cuBLAS), both timed as CUDA graph replays.
 
-    python bench/megakernel_framework.py [--replays 200]
+    python bench/megakernel_framework.py [--replays 200] [--suffixes '' S ...] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "runtime"))
 
@@ -78,12 +79,52 @@ def copy_bandwidth() -> float:
     return 2 * n * 8 / (min(eager, kernel) * 1e-6) / 1e12
 
 
+# GEMV benches: one GEMV tiled over every SM, and chains of dependent GEMVs (each tile waits for the
+# whole previous GEMV, so streaming the next weights before the wait is what keeps HBM busy).
+GEMV_BENCHES = ("bench_gemv_b1_16384x7168", "bench_gemv_b4_16384x7168", "bench_layers8_b1_7168", "bench_chain4_b1_16384x7168",
+                "bench_chain4_b4_16384x7168")  # fmt: skip
+
+
+def bench_gemvs(name: str, artifact: str, gen: torch.Generator, bw: float, replays: int) -> tuple:
+    """(artifact, median, p90, note): the megakernel against the same GEMVs through torch (cuBLAS) in a
+    CUDA graph, the result checked against torch's first."""
+    case = all_cases()[name]
+    mk = Megakernel(artifacts_dir() / artifact)
+    weights = case.builder.random_weights(gen, "cuda")
+    mk.bind_weights(weights)
+    inputs = {k: v.cuda() for k, v in case.inputs(gen).items()}
+    (x_name, x0), = inputs.items()
+    mk.buffer(x_name).copy_(x0)
+    med, p90 = time_replays(graph_of(mk.step), replays)
+    ws = [weights[k] for k in sorted(weights, key=lambda k: int(k[1:]) if k[1:].isdigit() else 0)]
+    outs = [torch.empty(x0.shape[0], w.shape[0], dtype=x0.dtype, device="cuda") for w in ws]
+
+    def torch_chain():
+        x = x0
+        for w, o in zip(ws, outs):
+            torch.matmul(x, w.T, out=o)
+            x = o
+
+    t_med, _ = time_replays(graph_of(torch_chain), replays)
+    mk.step()
+    torch_chain()
+    torch.cuda.synchronize()
+    out = mk.buffer(case.outputs[0])
+    err = ((out.double() - outs[-1].double()).norm() / outs[-1].double().norm()).item()
+    nbytes = sum(w.numel() * 2 for w in ws)
+    roof = nbytes / (bw * 1e12) * 1e6
+    note = (f"{mk.manifest['compile']['registers']} regs, {mk.manifest['ring']['slots']} x {mk.manifest['ring']['slot_bytes'] // 1024} KB "
+            f"slots; {nbytes / med / 1e6:.2f} TB/s = {roof / med:.0%} of the copy roofline ({roof:.1f} us); torch (cuBLAS) "
+            f"{t_med:.1f} us ({nbytes / t_med / 1e6:.2f} TB/s); rel err {err:.1e}")  # fmt: skip
+    return artifact, med, p90, note, {"torch_us": t_med, "roofline_us": roof, "bytes": nbytes, "rel_err": err}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--replays", type=int, default=200)
     ap.add_argument("--suffixes", nargs="*", default=[""], help="GEMV artifact variants: <case>@<suffix>")
+    ap.add_argument("--json", type=Path, help="write every row here")
     args = ap.parse_args()
-    cases = all_cases()
     gen = torch.Generator().manual_seed(0)
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: device-to-device copy {bw:.2f} TB/s")
@@ -91,60 +132,21 @@ def main() -> int:
     for name in ("bench_nop_132", "bench_handoff_1024"):
         mk = Megakernel(artifacts_dir() / name)
         med, p90 = time_replays(graph_of(mk.step), args.replays)
-        rows.append((name, med, p90, ""))
+        rows.append((name, med, p90, "", {}))
         if name.startswith("bench_handoff"):
-            rows.append(("  per dependent hop", med / 1024, p90 / 1024, ""))
-    gemvs = [(n, f"{n}@{s}" if s else n) for n in ("bench_gemv_b1_16384x7168", "bench_gemv_b4_16384x7168")
-             for s in args.suffixes]  # fmt: skip
-    for name, artifact in gemvs:
-        case = cases[name]
-        mk = Megakernel(artifacts_dir() / artifact)
-        regs = mk.manifest["compile"]["registers"]
-        weights = case.builder.random_weights(gen, "cuda")
-        mk.bind_weights(weights)
-        x = case.inputs(gen)["x"].cuda()
-        mk.buffer("x").copy_(x)
-        med, p90 = time_replays(graph_of(mk.step), args.replays)
-        w = weights["w"]
-        nbytes = w.numel() * 2
-        ref = F.linear(x, w)
-        mk.step()
-        torch.cuda.synchronize()
-        err = ((mk.buffer("y").double() - ref.double()).norm() / ref.double().norm()).item()
-        out = torch.empty_like(ref)
-        t_med, _ = time_replays(graph_of(lambda: torch.matmul(x, w.T, out=out)), args.replays)
-        roof = nbytes / (bw * 1e12) * 1e6
-        rows.append((artifact, med, p90, f"{regs} regs {nbytes / med / 1e6:.2f} TB/s = {roof / med:.0%} of copy roofline "
-                     f"({roof:.1f} us); torch {t_med:.1f} us; rel err {err:.1e}"))  # fmt: skip
-    for name, artifact in [("bench_layers8_b1_7168", f"bench_layers8_b1_7168@{s}" if s else "bench_layers8_b1_7168")
-                           for s in args.suffixes]:
-        case = cases[name]
-        mk = Megakernel(artifacts_dir() / artifact)
-        weights = case.builder.random_weights(gen, "cuda")
-        mk.bind_weights(weights)
-        x0 = case.inputs(gen)["x0"].cuda()
-        mk.buffer("x0").copy_(x0)
-        med, p90 = time_replays(graph_of(mk.step), args.replays)
-        ws = [weights[f"w{i}"] for i in range(8)]
-        outs = [torch.empty_like(x0) for _ in ws]
-
-        def torch_layers():
-            x = x0
-            for w, o in zip(ws, outs):
-                torch.matmul(x, w.T, out=o)
-                x = o
-
-        t_med, _ = time_replays(graph_of(torch_layers), args.replays)
-        nbytes = sum(w.numel() * 2 for w in ws)
-        mk.step()
-        torch_layers()
-        torch.cuda.synchronize()
-        err = ((mk.buffer("x8").double() - outs[-1].double()).norm() / outs[-1].double().norm()).item()
-        rows.append((artifact, med, p90, f"{mk.manifest['compile']['registers']} regs {nbytes / med / 1e6:.2f} TB/s; "
-                     f"torch {t_med:.1f} us ({nbytes / t_med / 1e6:.2f} TB/s); rel err {err:.1e}"))  # fmt: skip
-    print(f"{'case':34s} {'median us':>10s} {'p90 us':>9s}")
-    for name, med, p90, note in rows:
-        print(f"{name:34s} {med:10.2f} {p90:9.2f}  {note}")
+            rows.append(("  per dependent hop", med / 1024, p90 / 1024, "", {}))
+    for name in GEMV_BENCHES:
+        for suffix in args.suffixes:
+            artifact = f"{name}@{suffix}" if suffix else name
+            if (artifacts_dir() / artifact / "manifest.json").exists():
+                rows.append(bench_gemvs(name, artifact, gen, bw, args.replays))
+    print(f"{'case':40s} {'median us':>10s} {'p90 us':>9s}")
+    for name, med, p90, note, _ in rows:
+        print(f"{name:40s} {med:10.2f} {p90:9.2f}  {note}")
+    if args.json:
+        args.json.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "copy_TBps": bw,
+                                         "rows": [{"case": n, "median_us": m, "p90_us": p, "note": note, **extra}
+                                                  for n, m, p, note, extra in rows]}, indent=1))  # fmt: skip
     return 0
 
 

@@ -33,9 +33,9 @@ from pathlib import Path
 
 from k3mk import __version__ as K3MK_VERSION
 from k3mk.codegen.emit import dynamic_smem_bytes, emit_source
-from k3mk.codegen.ops import KernelConfig
+from k3mk.codegen.ops import KernelConfig, ring_layout
 from k3mk.ir import task_table as tt
-from k3mk.ir.task_table import TaskTable
+from k3mk.ir.task_table import RingModel, TaskTable
 from k3mk.runtime import abi
 
 MANIFEST_VERSION = 1
@@ -153,6 +153,9 @@ def build(
     if len(table.lists) > sm_count:
         raise BuildError(f"{len(table.lists)} task lists but the target has {sm_count} SMs (one CTA per SM)")
     encoded = table.encode(check=check)
+    ring = ring_layout(table.variants, config)
+    if check:  # the streaming loop's producers and rings as this kernel builds them
+        table.check_deadlock_free(ring=RingModel(ring.slots, ring.records, config.warps, ring.slot_bytes))
     source = emit_source(table.variants, config)
     smem = dynamic_smem_bytes(table.variants, config)
     if smem > MAX_SMEM[arch]:
@@ -181,7 +184,8 @@ def build(
         "compute_capability": list(ARCH_COMPUTE_CAPABILITY[arch]),
         "sm_count": sm_count,
         "num_ctas": len(table.lists),
-        "block_threads": config.threads,
+        "block_threads": config.block_threads,
+        "ring": {"slots": ring.slots, "slot_bytes": ring.slot_bytes, "records": ring.records, "barrier_offset": ring.barrier_offset},
         "dynamic_smem_bytes": smem,
         "debug": config.debug,
         "profile": config.profile,

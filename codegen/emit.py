@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import jinja2
 
-from k3mk.codegen.ops import OP_CODEGEN, KernelConfig, VariantCode, smem_bytes, stream_state_bytes, variant_code
+from k3mk.codegen.ops import OP_CODEGEN, KernelConfig, VariantCode, ring_layout, smem_bytes, variant_code
 from k3mk.ir import task_table as tt
 from k3mk.ir.task_table import OpVariant
 from k3mk.runtime import abi
@@ -39,14 +39,15 @@ def emit_source(variants: list[OpVariant], config: KernelConfig = KernelConfig()
     if config.threads % 32 or not 64 <= config.threads <= 1024:
         raise ValueError(f"threads {config.threads} must be a multiple of 32 in [64, 1024]")
     codes: list[VariantCode] = [variant_code(i, v, config) for i, v in enumerate(variants)]
+    ring = ring_layout(variants, config)
     op_sources = [
         _ENV.get_template(OP_CODEGEN[c.op].template).render(v=c, p=c.p, kc=config).rstrip() + "\n" for c in codes
     ]
-    helpers = _ENV.get_template("helpers.py.j2").render(kc=config).rstrip() + "\n"
-    if config.weight_stream:
-        helpers += "\n\n" + _ENV.get_template("weight_stream.py.j2").render(kc=config, state_bytes=stream_state_bytes(config))
+    helpers = _ENV.get_template("helpers.py.j2").render(kc=config).rstrip() + "\n\n\n"
+    helpers += _ENV.get_template("ring.py.j2").render(kc=config, ring=ring).rstrip() + "\n"
     return _ENV.get_template("megakernel.py.j2").render(
         kc=config,
+        ring=ring,
         variants=codes,
         op_sources=op_sources,
         helpers=helpers,

@@ -1,13 +1,19 @@
 """What the emitter needs to know about each op kind: its template, its shared-memory need, and the
-codegen-time constraints on its compile-time constants (checked before any CuTe DSL is traced).
+codegen-time constraints on its compile-time constants (checked before any CuTe DSL is traced); and
+the kernel's shared-memory map (the op smem, then the streaming ring: `ring_layout`).
 
 Every op template (codegen/templates/<op>.py.j2) renders, for one variant `v`:
-  def {{ v.fn }}_run(task, arena, weights, smem, scratch, tidx, warp, lane)     (always)
-  def {{ v.fn }}_prefetch(task, arena, weights, tidx)                            (when `prefetch`)
-as `@cute.jit` functions. `_prefetch` runs BEFORE the task's wait (weights only: never read an
-activation there); `_run` runs after it. Neither knows about the task loop or the events, except for
-ops that wait inside their body (`sync`: the collectives, which wait for the other ranks): their `_run`
-also gets (control, debug, epoch, cta, task_index, watchdog_ns) for the task loop's `wait_event`.
+  def {{ v.fn }}_run(task, arena, weights, smem, scratch, iscratch, tidx, warp, lane[, fill])   (always)
+  def {{ v.fn }}_fills(task) -> Int32                                      (ops that stream: `v.plan`)
+  def {{ v.fn }}_produce(task, arena, weights, smem, fill, ...) -> Int32   (ops with a producer half)
+as `@cute.jit` functions. `_run` is the consumer half: the CTA's consumer warps run it after the
+task's waits; an op that streams reads its weights from the ring fills [fill, fill + _fills(task)).
+`_produce` is the producer half: ONE lane of the producer warp runs it when it reaches the task,
+ahead of the consumers, and returns the next fill index; it issues the task's fills (or only L2
+prefetches) and, except for the routed experts (ir/streaming.py PRODUCER_WAITS), never waits on an
+event. Neither knows about the task loop, except for ops that wait inside their body (`sync`: the
+collectives): their `_run` also gets (control, debug, epoch, cta, task_index, watchdog_ns) for the
+task loop's `wait_event`.
 """
 
 from __future__ import annotations
@@ -15,10 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from k3mk.ir.streaming import FillPlan, StreamingError, fill_plan
 from k3mk.ir.task_table import (
     MAX_ATTN_RES_SOURCES,
     OP_KINDS,
     TASK_HEADER_WORDS,
+    TASK_WORDS,
     AddParams,
     ArgmaxParams,
     AttnResParams,
@@ -33,6 +41,7 @@ from k3mk.ir.task_table import (
 VECTOR_ELEMENTS = 8  # bf16 per 16-byte load
 MAX_BATCH = 16
 X_SMEM_BUDGET = 160 * 1024  # GEMV stages its (normalised) input in shared memory
+PRODUCER_THREADS = 32  # one producer warp beside the consumers (it also forwards the task records)
 
 
 class CodegenError(ValueError):
@@ -43,23 +52,25 @@ class CodegenError(ValueError):
 class KernelConfig:
     """Compile-time constants of the whole kernel (one per artifact)."""
 
-    threads: int = 256
+    threads: int = 256  # consumer threads: the op bodies' CTA (the block adds the producer warp)
     debug: bool = False  # watchdog on every wait (docs/megakernel.md)
     profile: bool = False  # per-task %globaltimer records (docs/megakernel.md "Profile builds")
     kernel_name: str = "k3mk_megakernel"
-    # Tuning knobs (0 = the measured default, docs/megakernel.md "GPU results"):
-    prefetch_bytes: int = 16 * 1024  # L2 bulk prefetch of the first bytes of a task's weights before its wait
-    gemv_unroll: int = 0  # 16-byte weight loads in flight per lane per row (0: gemv_tuning's default)
-    gemv_rows_per_warp: int = 0  # rows a warp streams at once (0: gemv_tuning's default)
-    # Weight streaming (gemv_stream): the gemv reads its weights from smem slots filled by 1-D bulk
-    # copies, the first ones issued before the task's wait. Off: the register-load path.
-    weight_stream: bool = False
-    stream_stages: int = 4  # slots per warp (copies in flight per warp)
-    stream_bytes: int = 128 * 1024  # the ring of slots per CTA (shrunk where the staged input leaves less)
+    # The streaming ring (docs/megakernel.md "The streaming task loop"): slots of `slot_bytes` in what the
+    # op smem leaves (at most `ring_bytes`, 0: all of it); `records` task records forwarded ahead.
+    slot_bytes: int = 16 * 1024
+    ring_bytes: int = 0
+    records: int = 16
+    gemv_unroll: int = 0  # 16-byte vectors per lane per loop trip of the dot loops (0: the default, 4)
+    l2_lookahead: int = 0  # the producer prefetches into L2 the gemv weights of the task this many ahead (0: off)
 
     @property
     def warps(self) -> int:
         return self.threads // 32
+
+    @property
+    def block_threads(self) -> int:
+        return self.threads + PRODUCER_THREADS
 
 
 @dataclass(frozen=True)
@@ -67,33 +78,14 @@ class OpCodegen:
     template: str
     smem_bytes: Callable[[object], int]
     check: Callable[[object], None]
-    prefetch: bool = False
+    produce: bool = False  # a producer half beyond the streamed fills (kda_recurrence: L2 prefetch of its state)
     sync: bool = False  # the op waits inside its body (module docstring)
-
-
-@dataclass(frozen=True)
-class GemvStream:
-    """The weight-streaming layout of one gemv variant (KernelConfig.weight_stream). Each warp owns
-    `stages` slots; a fill is `rows_per_warp` rows x one K chunk of `chunk` elements (the gate rows,
-    then the up rows when gated), one bulk copy per row. A warp's fills run group by group (its rows
-    of the tile), chunk by chunk; fill f goes to slot f % stages. Slots are warp-private: the warp
-    that reads a slot refills it, so no slot is shared between warps."""
-
-    stages: int
-    chunk: int  # elements per row per fill (a multiple of 8; the last chunk of a row may be shorter)
-    chunks: int  # fills per row group: ceil(in / chunk)
-    slot_bytes: int
-    ring_offset: int  # byte offset of the slots in the op smem, after the staged input (and rstd)
-    ring_bytes: int
 
 
 @dataclass(frozen=True)
 class GemvTuning:
     unroll: int
-    rows_per_warp: int
-    prefetch_rows: int  # rows of the tile prefetched into L2 before the wait (0: none)
     x_smem: bool = True  # the input is staged in smem; False: read from the arena (gemv_x_in_smem)
-    stream: GemvStream | None = None  # weight streaming (KernelConfig.weight_stream)
 
 
 def gemv_x_in_smem(p: GemvParams) -> bool:
@@ -104,79 +96,78 @@ def gemv_x_in_smem(p: GemvParams) -> bool:
 
 
 def gemv_tuning(p: GemvParams, config: KernelConfig) -> GemvTuning:
-    """Measured defaults (H200, 2026-11-29, 16384x7168 GEMV over 132 CTAs x 4 tasks; docs/megakernel.md):
-    batch 1: 4 rows per warp, unroll 4 (2.70 TB/s; 8 rows 1.95, 2 rows 1.86); batch 4: 4 rows, unroll 8
-    (2.76 TB/s; 2 rows unroll 4 2.39). Larger batches take 1 row x unroll 4 (registers: the
-    accumulators are rows x batch fp32; 2 rows at batch 16 needed 242 registers). Whole-tile L2 prefetch cost 10-15%: the window is 16 KB."""
-    if p.batch == 1:
-        rows, unroll = 4, 4
-    elif p.batch <= 4:
-        rows, unroll = 4, 8
-    else:
-        rows, unroll = 1, 4
-    if p.epilogue in GATED_EPILOGUES:
-        rows = max(1, rows // 2)  # two weight streams per row (gate and up): the same loads in flight
-    rows = config.gemv_rows_per_warp or rows
-    unroll = config.gemv_unroll or unroll
-    if config.weight_stream:  # the bulk copies replace the L2 prefetch window
-        return GemvTuning(unroll, rows, 0, gemv_x_in_smem(p), gemv_stream(p, rows, config))
-    prefetch_rows = -(-config.prefetch_bytes // (2 * p.in_features)) if config.prefetch_bytes > 0 else 0
-    return GemvTuning(unroll, rows, prefetch_rows, gemv_x_in_smem(p))
+    return GemvTuning(config.gemv_unroll or 4, gemv_x_in_smem(p))
 
 
 # sm_90's 227 KB of dynamic smem per block less the reduction scratch (codegen/emit.py SCRATCH_BYTES).
 OP_SMEM_LIMIT = 232448 - 1024
-MAX_STREAM_STAGES = 8
-MIN_STREAM_CHUNK = 64  # elements per row per fill: below this the copies get too small to stream well
-LANE_ORDER_ELEMENTS = 32 * VECTOR_ELEMENTS  # one 16-byte load per lane: the dot loop's stride over a row
+MIN_RING_SLOTS = 2
+MBARRIER_BYTES = 8
 
 
-def stream_state_bytes(config: KernelConfig) -> int:
-    """The persistent weight-streaming state at the end of the kernel's smem (no op uses it): one
-    mbarrier per slot, then one int32 of phase bits per warp (bit s: the parity slot s waits for next)."""
-    return (config.warps * config.stream_stages * 8 + config.warps * 4 + 127) // 128 * 128
+@dataclass(frozen=True)
+class RingLayout:
+    """The kernel's shared memory (docs/megakernel.md "The streaming task loop"): the op smem (every op
+    body's staging, shared), the ring of `slots` slots, the `records` forwarded task records, then one
+    mbarrier per slot full / slot empty / record full / record empty, an int32 per slot (its current fill),
+    the producer's two int64 profile counters and the debug watchdog's three int64 (ring.py.j2 SLOT_SEQ,
+    PRODUCER_STATS, WATCHDOG). Offsets in bytes."""
+
+    op_bytes: int
+    slot_bytes: int
+    slots: int
+    records: int
+
+    @property
+    def ring_offset(self) -> int:
+        return (self.op_bytes + 127) // 128 * 128
+
+    @property
+    def record_offset(self) -> int:
+        return self.ring_offset + self.slots * self.slot_bytes
+
+    @property
+    def barrier_offset(self) -> int:
+        return self.record_offset + self.records * TASK_WORDS * 4
+
+    @property
+    def total(self) -> int:
+        end = self.barrier_offset + (2 * self.slots + 2 * self.records) * MBARRIER_BYTES + (4 * self.slots + 7) // 8 * 8 + 16 + 24
+        return (end + 127) // 128 * 128
 
 
-def gemv_stream(p: GemvParams, rows: int, config: KernelConfig) -> GemvStream:
-    """Split the ring (config.stream_bytes, or what the staged input leaves of the smem) into
-    warps x stages slots, and each row into the fewest equal chunks (multiples of 8) a slot holds."""
-    _require(1 <= config.stream_stages <= MAX_STREAM_STAGES, f"stream_stages {config.stream_stages} outside [1, {MAX_STREAM_STAGES}]")
-    ring_offset = (_gemv_op_smem(p) + 127) // 128 * 128
-    ring = min(config.stream_bytes, OP_SMEM_LIMIT - stream_state_bytes(config) - ring_offset)
-    streams = rows * (2 if p.epilogue in GATED_EPILOGUES else 1)  # rows copied per fill
-    fit = ring // (config.warps * config.stream_stages * streams * 2) // VECTOR_ELEMENTS * VECTOR_ELEMENTS
-    _require(fit >= min(MIN_STREAM_CHUNK, p.in_features),
-             f"gemv weight streaming: {ring} B of smem left for {config.warps} warps x {config.stream_stages} slots x "
-             f"{streams} rows gives {fit} elements per row per fill (< {MIN_STREAM_CHUNK}): lower stream_stages or the batch")  # fmt: skip
-    # Equal chunks of the fewest fills, then their count again (rounding up may need fewer). Chunks of a
-    # multiple of LANE_ORDER_ELEMENTS start every lane where the register path's lane would be, so each
-    # lane sums the same elements in the same order and the streamed build computes the release build's
-    # values bit for bit (other chunks regroup the fp32 partial sums: a different rounding).
-    step = LANE_ORDER_ELEMENTS if fit >= LANE_ORDER_ELEMENTS else VECTOR_ELEMENTS
-    fit = fit // step * step
-    chunk = -(-p.in_features // (-(-p.in_features // fit) * step)) * step
-    chunks = -(-p.in_features // chunk)
-    slot_bytes = streams * chunk * 2
-    return GemvStream(config.stream_stages, chunk, chunks, slot_bytes, ring_offset, config.warps * config.stream_stages * slot_bytes)
+def ring_layout(variants: list[OpVariant], config: KernelConfig = KernelConfig()) -> RingLayout:
+    """The largest op need first, then as many slots as the rest holds (at most config.ring_bytes; a
+    kernel whose ops do not stream gets the fewest slots, which leaves the L1 its share)."""
+    _require(config.slot_bytes % 128 == 0 and config.slot_bytes >= 1024, f"slot_bytes {config.slot_bytes} must be a multiple of 128 >= 1024")
+    _require(config.records >= 2, f"records {config.records} < 2")
+    op_bytes = max([_op_smem(v) for v in variants] + [16])
+    streaming = any(fill_plan(v.op, v.params, config.slot_bytes) is not None for v in variants)
+    slots = (config.ring_bytes or OP_SMEM_LIMIT) // config.slot_bytes if streaming else MIN_RING_SLOTS
+    while slots > 0 and RingLayout(op_bytes, config.slot_bytes, slots, config.records).total > OP_SMEM_LIMIT:
+        slots -= 1
+    _require(slots >= MIN_RING_SLOTS, f"the op smem ({op_bytes} B) leaves {slots} ring slots of {config.slot_bytes} B (< {MIN_RING_SLOTS})")
+    return RingLayout(op_bytes, config.slot_bytes, slots, config.records)
 
 
 @dataclass(frozen=True)
 class VariantCode:
     """One variant as the templates see it: `p` is its typed record of constants, `tuning` the
-    op's implementation choices (a typed record too, or None)."""
+    op's implementation choices (a typed record too, or None), `plan` its fill geometry when it streams
+    its weights through the ring (ir/streaming.py)."""
 
     index: int
     op: str
     p: object
     fn: str
-    prefetch: bool
+    produce: bool  # the template has a producer half (`_produce`)
     tuning: object = None
+    plan: FillPlan | None = None
     sync: bool = False
 
     @property
     def stream(self) -> bool:
-        """The op streams its weights through smem slots (its _prefetch also takes the smem)."""
-        return getattr(self.tuning, "stream", None) is not None
+        return self.plan is not None
 
     def operand(self, name: str) -> int:
         """Task word holding operand `name` of this op kind."""
@@ -282,13 +273,13 @@ def _none(p: object) -> int:
 
 OP_CODEGEN: dict[str, OpCodegen] = {
     "nop": OpCodegen("nop.py.j2", _none, lambda p: None),
-    "gemv": OpCodegen("gemv.py.j2", _gemv_op_smem, _check_gemv, prefetch=True),
+    "gemv": OpCodegen("gemv.py.j2", _gemv_op_smem, _check_gemv),
     "rmsnorm": OpCodegen("rmsnorm.py.j2", _none, _check_rmsnorm),
     "embedding": OpCodegen("embedding.py.j2", _none, _check_embedding),
     "argmax": OpCodegen("argmax.py.j2", _none, _check_argmax),
     "add": OpCodegen("add.py.j2", _none, _check_add),
     "kda_conv": OpCodegen("kda_conv.py.j2", _none, _check_kda_conv),
-    "kda_recurrence": OpCodegen("kda_recurrence.py.j2", _none, _check_kda_recurrence, prefetch=True),
+    "kda_recurrence": OpCodegen("kda_recurrence.py.j2", _none, _check_kda_recurrence, produce=True),
     "attn_res": OpCodegen("attn_res.py.j2", _attn_res_smem, _check_attn_res),
 }
 from k3mk.codegen.ops_moe_mla import MOE_MLA_CODEGEN  # noqa: E402  (the MoE / MLA ops live in their own module)
@@ -304,20 +295,17 @@ def variant_code(index: int, variant: OpVariant, config: KernelConfig) -> Varian
     gen = OP_CODEGEN[variant.op]
     gen.check(variant.params)
     tuning = gemv_tuning(variant.params, config) if variant.op == "gemv" else None
-    prefetch = gen.prefetch and (tuning is None or tuning.prefetch_rows > 0 or tuning.stream is not None)
-    return VariantCode(index, variant.op, variant.params, f"op{index}_{variant.op}", prefetch, tuning, gen.sync)
+    try:
+        plan = fill_plan(variant.op, variant.params, config.slot_bytes)
+    except StreamingError as e:
+        raise CodegenError(str(e)) from None
+    return VariantCode(index, variant.op, variant.params, f"op{index}_{variant.op}", gen.produce or plan is not None, tuning, plan, gen.sync)
 
 
-def _op_smem(variant: OpVariant, config: KernelConfig) -> int:
-    if variant.op == "gemv" and config.weight_stream:
-        stream = gemv_tuning(variant.params, config).stream
-        return stream.ring_offset + stream.ring_bytes
+def _op_smem(variant: OpVariant) -> int:
     return OP_CODEGEN[variant.op].smem_bytes(variant.params)
 
 
 def smem_bytes(variants: list[OpVariant], config: KernelConfig = KernelConfig()) -> int:
-    """Dynamic shared memory of the kernel: the largest op need, 128-byte rounded (ops share it), then
-    the weight-streaming state (stream_state_bytes) when streaming, which no op overlaps."""
-    need = max([_op_smem(v, config) for v in variants] + [16])
-    state = stream_state_bytes(config) if config.weight_stream else 0
-    return (need + 127) // 128 * 128 + state
+    """Dynamic shared memory of the kernel before the reduction scratch: the op smem and the ring."""
+    return ring_layout(variants, config).total

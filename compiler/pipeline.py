@@ -204,8 +204,9 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--until", choices=[p.name for p in PIPELINE], metavar="PASS", help="stop after this pass (default: run every pass written so far)")
     parser.add_argument("--profile", action="store_true",
                         help="with --out: a profile build, whose kernel records per-task timestamps (k3mk.runtime.profile; bench/timeline.py)")  # fmt: skip
-    parser.add_argument("--weight-stream", action="store_true",
-                        help="with --out: GEMVs stream their weights into smem with bulk copies issued before each task's wait (KernelConfig.weight_stream)")  # fmt: skip
+    parser.add_argument("--kernel-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="with --out: a kernel tuning knob (k3mk.codegen.ops.KernelConfig: slot_bytes, ring_bytes, records, "
+                             "gemv_unroll, l2_lookahead; integers), for sweeps; repeatable")  # fmt: skip
 
 
 def compile_artifact(
@@ -220,13 +221,13 @@ def compile_artifact(
     progress: Callable[[str], None] | None = None,
     result: CompileResult | None = None,
     profile: bool = False,
-    weight_stream: bool = False,
+    kernel_options: dict[str, int] | None = None,
 ) -> Path:
     """The whole compile: capture, every pass through emit_task_table, then the CuTe DSL build of the
     table's ONE megakernel (codegen/build.py) into `out_dir`: cubin, task table, generated source, the
     IR after capture / fusion and the task schedule as text, and manifest.json with the compile target
     (docs/megakernel.md "Artifact directory"). `profile`: a profile build (per-task timestamps), with the
-    cost model's bytes per task in task_bytes.json. `weight_stream`: KernelConfig.weight_stream. Returns the
+    cost model's bytes per task in task_bytes.json. `kernel_options`: KernelConfig tuning fields. Returns the
     artifact directory."""
     import hashlib
     import json
@@ -275,10 +276,24 @@ def compile_artifact(
         tasks = [emitted.task_graph.tasks[i] for ids in emitted.task_graph.sm_lists for i in ids]
         files["task_bytes.json"] = json.dumps({"weight_bytes": [t.weight_bytes for t in tasks],
                                                "other_bytes": [activation_bytes(t, graph) for t in tasks]})  # fmt: skip
-    out = build(emitted.table, out_dir, arch=arch, sm_count=result.target.num_sms, config=KernelConfig(profile=profile, weight_stream=weight_stream), meta=meta,
+    out = build(emitted.table, out_dir, arch=arch, sm_count=result.target.num_sms, config=KernelConfig(profile=profile, **(kernel_options or {})), meta=meta,
                 extra_files=files)  # fmt: skip
     say(f"build: {out} in {time.perf_counter() - t0:.1f} s")
     return out
+
+
+KERNEL_OPTIONS = ("slot_bytes", "ring_bytes", "records", "gemv_unroll", "l2_lookahead")
+
+
+def kernel_option_values(items: list[str]) -> dict[str, int]:
+    """--kernel-option KEY=VALUE items as KernelConfig fields (the tuning knobs only)."""
+    options = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        if key not in KERNEL_OPTIONS or not value.lstrip("-").isdigit():
+            raise CompileError(f"--kernel-option {item!r}: expected KEY=INTEGER with KEY one of {', '.join(KERNEL_OPTIONS)}")
+        options[key] = int(value)
+    return options
 
 
 def run_compile(args: argparse.Namespace) -> int:
@@ -290,15 +305,15 @@ def run_compile(args: argparse.Namespace) -> int:
     progress = lambda line: print(f"k3mk: {line}", file=sys.stderr, flush=True)  # noqa: E731
     out_dir = getattr(args, "out", None)
     profile = getattr(args, "profile", False)
-    weight_stream = getattr(args, "weight_stream", False)
-    for flag, on in (("--profile", profile), ("--weight-stream", weight_stream)):
+    kernel_options = kernel_option_values(getattr(args, "kernel_option", []))
+    for flag, on in (("--profile", profile), ("--kernel-option", bool(kernel_options))):
         if on and (out_dir is None or args.until is not None):
             raise CompileError(f"{flag} applies to the artifact build: give --out (and no --until)")
     if out_dir is not None and args.until is None:
         result = compile_graph(config, args.tp, args.max_tokens, args.max_context, torch.bfloat16, args.arch, args.dump, progress)
         print(summary(result), end="")
         path = compile_artifact(config, args.tp, args.max_tokens, args.max_context, args.arch, out_dir, progress=progress, result=result,
-                                profile=profile, weight_stream=weight_stream)  # fmt: skip
+                                profile=profile, kernel_options=kernel_options)  # fmt: skip
         print(f"artifact: {path}")
         return 0
     # Without --out nothing needs the binary table: stop after the schedule and its deadlock check.

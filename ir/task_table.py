@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from k3mk.ir.streaming import RingModel, check_ring
+
 FORMAT_VERSION = 2
 MAGIC = 0x5454334B  # b"K3TT" little-endian
 HEADER_WORDS = 16
@@ -675,15 +677,23 @@ class TaskTable:
         if self.comm is not None and len(users) != self.comm.events:
             raise TaskTableError(f"comm region declares {self.comm.events} counters, {len(users)} collective tasks push them")
 
-    def check_deadlock_free(self) -> None:
+    def check_deadlock_free(self, ring: RingModel | None = None) -> None:
         """Execute one step abstractly: each CTA runs its list in order, a task starts once all its
         waited events reached their per-step count. Every task must run (with every CTA resident).
+        With `ring` (the kernel's streaming ring), the CTA's producer and consumers are modelled
+        apart, with the ring's slots and records (ir/streaming.py check_ring).
 
         A collective task also waits inside its body, for every rank's push of the same task. Every rank
         runs this same table, so running this order on all ranks in lockstep (all pushes of a collective
         before any rank's reduce) is a valid execution of the whole group: with every CTA of every rank
         resident and waits that only ever become satisfied, some task can always progress, so this
         one-rank check covers the group."""
+        if ring is not None:
+            try:
+                check_ring(self, ring)
+            except ValueError as e:
+                raise TaskTableError(str(e)) from None
+            return
         counts = self.event_counts()
         seen = [0] * len(self.events)
         pos = [0] * len(self.lists)

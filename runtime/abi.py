@@ -47,15 +47,18 @@ DEBUG_WORDS = 8  # per CTA: status, smid, task index in list, event, target, cou
 DEBUG_FIELDS = ("status", "smid", "task", "event", "target", "counter", "epoch", "opcode")
 STATUS_TIMED_OUT = 1  # this CTA's wait exceeded watchdog_us
 STATUS_ABORTED = 2  # this CTA stopped because another's watchdog fired
+STATUS_RING_TIMED_OUT = 3  # a wait of this CTA's streaming ring (a fill, a free slot, a record) exceeded watchdog_us
 
 # Profile builds (KernelConfig.profile): the SAME parameters, but the `debug` buffer continues after the
 # watchdog records with PROFILE_RING_STEPS slots of int64[num_tasks][PROFILE_WORDS], one record per task
 # indexed by its global task index (list offset + position); step e writes slot (e - 1) % PROFILE_RING_STEPS.
-# Thread 0 writes the %globaltimer (ns) at: the task's start (before the weight prefetch), its prefetch
-# issued, its waits satisfied, its op body done (after the CTA barrier), and just before its release atomic
-# (after the fence; = body_end for a task that signals nothing); then %smid and the step.
-PROFILE_WORDS = 7
-PROFILE_FIELDS = ("start", "prefetched", "wait_done", "body_end", "signal", "smid", "epoch")
+# Consumer thread 0 writes the %globaltimer (ns) at: the task's start (its record forwarded), its waits
+# satisfied, its op body done (after the consumer barrier, just before the release); then %smid and the
+# step, last. The producer warp's lane 0 writes: when it began the task (before forwarding its record),
+# when it had issued the task's fills, the ns it waited for free ring slots meanwhile, and the bytes its
+# bulk copies brought (what the producer actually issued, not the cost model's count).
+PROFILE_WORDS = 9
+PROFILE_FIELDS = ("start", "wait_done", "body_end", "smid", "epoch", "produce_start", "produce_end", "ring_wait", "issued_bytes")
 PROFILE_RING_STEPS = 4
 # A profile build's manifest says this instead of ABI_VERSION, so that a runtime which does not know the
 # longer `debug` buffer refuses the artifact instead of letting the kernel write past its allocation.

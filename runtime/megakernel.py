@@ -199,13 +199,31 @@ class Megakernel:
         records = [dict(zip(abi.DEBUG_FIELDS, r), cta=cta) for cta, r in enumerate(raw) if r[0] != 0]
         lines = []
         for r in records:
+            where = f"  CTA {r['cta']} (SM {r['smid']})"
+            if r["status"] == abi.STATUS_RING_TIMED_OUT:
+                lines.append(f"{where} timed out in its streaming ring: {self._ring_barrier(r['event'], r['counter'])} "
+                             f"(parity {r['target']}, step {r['epoch']})")  # fmt: skip
+                continue
             what = "timed out" if r["status"] == abi.STATUS_TIMED_OUT else "aborted"
             lines.append(
-                f"  CTA {r['cta']} (SM {r['smid']}) {what} at task {r['task']} '{self.table.label(r['cta'], r['task'])}' "
+                f"{where} {what} at task {r['task']} '{self.table.label(r['cta'], r['task'])}' "
                 f"(opcode {r['opcode']}) waiting on event {r['event']} '{self.table.event_name(r['event'])}': "
                 f"counter {r['counter']} < target {r['target']} (step {r['epoch']})"
             )
         raise WatchdogError("megakernel watchdog fired; per-CTA state:\n" + "\n".join(lines), records)
+
+    def _ring_barrier(self, offset: int, index: int) -> str:
+        """What a ring watchdog record's barrier (its byte offset in shared memory) hands over."""
+        ring = self.manifest.data.get("ring", {})
+        slots, records, base = ring.get("slots", 0), ring.get("records", 0), ring.get("barrier_offset", 0)
+        which = (offset - base) // 8
+        kinds = (("the consumers waiting for fill", slots), ("the producer waiting for a free slot for fill", slots),
+                 ("the consumers waiting for the record of task", records), ("the producer waiting for the record slot of task", records))  # fmt: skip
+        for text, count in kinds:
+            if 0 <= which < count:
+                return f"{text} {index} (barrier at smem byte {offset})"
+            which -= count
+        return f"barrier at smem byte {offset}, index {index}"
 
     def profile_records(self, step: int | None = None) -> torch.Tensor:
         """Profile builds: the per-task records of completed step `step` (1-based; default: the last one)

@@ -7,38 +7,35 @@ hand-off latency of the events.
     json.dump(chrome_trace(tl), open("trace.json", "w"))   # ui.perfetto.dev or chrome://tracing
     print(format_summary(summarize(tl)))
 
-Thread 0 of each CTA stamps %globaltimer (ns; one clock for the whole GPU, so stamps of different SMs
-compare) at five points of every task; the intervals between them are:
+The consumer warps' thread 0 stamps %globaltimer (ns; one clock for the whole GPU, so stamps of
+different SMs compare) at three points of every task, the producer warp's lane 0 at two more:
 
-* prefetch: thread 0 issuing its share of the op's L2 weight prefetch. The prefetch is asynchronous: its
-  bytes land during the wait and the body. Ops without a prefetch: only the stamp's own cost.
-* wait: thread 0 polling the waited event counters (ld.acquire.gpu) until they reach this step's target.
-  A task whose events were already signalled pays one poll per event (an L2 round trip).
-* body: the CTA barrier after the wait, the op body (loads of weights, activations and state, compute,
-  stores) and the CTA barrier after it. Streaming weights and computing overlap inside it and are not
-  separated: an op kind's bytes / body time is the bandwidth ONE CTA achieves running it (the GPU's is
-  that times the CTAs running it at once). An op that waits inside its body (the collectives, which wait
-  for the other ranks) shows that wait in its body.
-* fence: the fence.acq_rel.gpu before the release (until the body's stores are visible GPU-wide); zero for
-  a task that signals nothing.
-* between: from a task's signal stamp to the next task's start in the same list: the release atomic,
-  the stores of the record and reading the next task's words.
-Step wall = last signal stamp - first start stamp: the launch, the CTAs' set-up and the last CTA's exit
-are outside it. %globaltimer advances in steps (about 32 ns on H100 / H200 by reports, not measured here):
-an interval shorter than a step reads as 0 or one step, so per-task values of a few steps are noise, sums
-over many tasks are not. The summary reports the step seen in the records (`timer_step_ns`: the smallest
-gap between two distinct stamps of the step).
+* wait (start -> wait_done): the record forwarded, thread 0 polling the waited event counters
+  (ld.acquire.gpu) until they reach this step's target: consumer time blocked on events. A task whose
+  events were already signalled pays one poll per event (an L2 round trip).
+* body (wait_done -> body_end): the consumer barrier after the wait, the op body (its ring fills waited
+  for and read, activations and state loaded, compute, stores) and the consumer barrier after it. An
+  op kind's bytes / body time is the bandwidth ONE CTA achieves running it. An op that waits inside its
+  body (the collectives, which wait for the other ranks) shows that wait in its body.
+* between (body_end -> the next task's start): the release add and taking the next record.
+* produce (produce_start -> produce_end, the producer's own track): forwarding the record and issuing
+  the task's fills (or its L2 prefetches), ahead of the consumers; `ring_wait` of it is the time the
+  producer waited for a free ring slot (producer time blocked on a full ring), `issued_bytes` the bytes
+  its bulk copies brought: what the producer actually streamed, not the cost model's count.
+Step wall = last body_end - first start: the launch, the CTAs' set-up and the last CTA's exit are outside
+it. %globaltimer advances in steps (about 32 ns on H100 / H200 by reports): an interval shorter than a
+step reads as 0 or one step, so per-task values of a few steps are noise, sums over many tasks are not.
+The summary reports the step seen in the records (`timer_step_ns`).
 
-Hand-off latency of an event = the waiter's wait_done - the event's LAST signaller's signal stamp (taken
-after the signaller's fence, just before its release atomic). It covers the atomic's trip to L2, the
-waiter's poll loop (up to one poll round trip late) and its acquire load. Only blocking waits measure it:
-the waiter was already waiting (its wait began before that signal) and this event was its last to be
-signalled; otherwise the waiter's own lateness or its other event would be counted. A blocking wait is
-always a cross-CTA hand-off: a signaller earlier in the waiter's own list signalled before it started.
+Hand-off latency of an event = the waiter's wait_done - the event's LAST signaller's body_end stamp (just
+before its release add). It covers the add's trip to L2, the waiter's poll loop (up to one poll round trip
+late) and its acquire load. Only blocking waits measure it: the waiter was already waiting (it started
+before that signal) and this event was its last to be signalled.
 
-Bytes per task come from the compiler's cost model (passes/tile.py `weight_bytes`: a routed expert task
-counts ONE expert's rows; `other_bytes`: activations, state and KV cache read and written, from
-passes/schedule.py), written as task_bytes.json into profile artifacts; without it bytes are unknown.
+Bytes per task: `issued_bytes` as recorded; the cost model's (passes/tile.py `weight_bytes`: a routed
+expert task counts ONE expert's rows per request; `other_bytes`: activations, state and KV cache read and
+written, from passes/schedule.py) from task_bytes.json in profile artifacts. An op's body bandwidth counts
+its issued bytes where the producer streams them, else the cost model's weight bytes, plus other bytes.
 """
 
 from __future__ import annotations
@@ -51,25 +48,37 @@ from k3mk.runtime import abi
 from k3mk.runtime.table import LoadedTable, TaskHeader
 
 TASK_BYTES_FILE = "task_bytes.json"  # artifact file: {"weight_bytes": [...], "other_bytes": [...]} per global task
-INTERVALS = ("prefetch", "wait", "body", "fence")  # consecutive intervals of a task, in order
-_STAMPS = ("start", "prefetched", "wait_done", "body_end", "signal")  # their bounds
+INTERVALS = ("wait", "body")  # a task's consecutive consumer intervals, in order
+_STAMPS = ("start", "wait_done", "body_end")  # their bounds
+PRODUCER_TRACK = 1 << 16  # Chrome trace: CTA c's producer is thread PRODUCER_TRACK + c
 TIMER_NOTE = "%globaltimer ns, one clock for the GPU; it advances in steps (~32 ns reported on H100/H200): per-task intervals of a few steps are not resolved"
 
 
 @dataclass(frozen=True)
 class TaskTimes:
-    """One task's stamps (ns of %globaltimer) and the SM it ran on."""
+    """One task's stamps (ns of %globaltimer), the SM it ran on, and its producer's record."""
 
     start: int
-    prefetched: int
     wait_done: int
     body_end: int
-    signal: int
     smid: int
+    produce_start: int
+    produce_end: int
+    ring_wait: int  # ns
+    issued_bytes: int
 
     def interval(self, name: str) -> int:
         i = INTERVALS.index(name)
         return getattr(self, _STAMPS[i + 1]) - getattr(self, _STAMPS[i])
+
+    @property
+    def signal(self) -> int:
+        """When the task signalled: its release add follows the body_end stamp."""
+        return self.body_end
+
+    @property
+    def produce(self) -> int:
+        return self.produce_end - self.produce_start
 
 
 @dataclass(frozen=True)
@@ -79,7 +88,7 @@ class Handoff:
     event: int
     waiter: int  # global task index
     signaller: int  # the event's last signaller in this step
-    latency: int  # ns: waiter's wait_done - signaller's signal stamp
+    latency: int  # ns: waiter's wait_done - signaller's body_end stamp
     blocking: bool  # the waiter was waiting for exactly this signal (module docstring)
 
 
@@ -104,7 +113,8 @@ class Timeline:
         for h, r in zip(headers, records):
             if r[field["epoch"]] != step:
                 raise ValueError(f"task {h.index} (CTA {h.cta} #{h.position}) has a record of step {r[field['epoch']]}, not {step}")
-        times = [TaskTimes(*(int(r[field[name]]) for name in (*_STAMPS, "smid"))) for r in records]
+        times = [TaskTimes(*(int(r[field[name]]) for name in (*_STAMPS, "smid", "produce_start", "produce_end", "ring_wait",
+                                                               "issued_bytes"))) for r in records]  # fmt: skip
         variants = table.meta["variants"]
         ops = [variants[h.opcode]["op"] for h in headers]
         labels = [table.label(h.cta, h.position) for h in headers]
@@ -162,21 +172,27 @@ class Timeline:
             binding = max(self.times[last[e]].signal for e in h.waits)
             for e in h.waits:
                 s = self.times[last[e]].signal
-                out.append(Handoff(e, h.index, last[e], t.wait_done - s, s == binding and t.prefetched < s))
+                out.append(Handoff(e, h.index, last[e], t.wait_done - s, s == binding and t.start < s))
         return out
 
     def violations(self) -> list[str]:
-        """What contradicts the execution model: stamps out of order within a task, list order broken, or a
-        waiter done waiting before a signaller of its event signalled. Empty for a sound record."""
+        """What contradicts the execution model: stamps out of order within a task, list order broken (for
+        the consumers or the producer), a ring wait longer than the produce interval, or a waiter done
+        waiting before a signaller of its event signalled. Empty for a sound record."""
         problems = []
         for h, t in zip(self.headers, self.times):
             stamps = [getattr(t, s) for s in _STAMPS]
             if stamps != sorted(stamps):
                 problems.append(f"task {h.index} ({self.labels[h.index]}): stamps out of order {dict(zip(_STAMPS, stamps))}")
+            if not 0 <= t.ring_wait <= t.produce or t.issued_bytes < 0:
+                problems.append(f"task {h.index} ({self.labels[h.index]}): producer record {t.produce_start}..{t.produce_end}, "
+                                f"ring wait {t.ring_wait} ns, {t.issued_bytes} bytes")  # fmt: skip
         for tasks in self.lists().values():
             for a, b in zip(tasks, tasks[1:]):
                 if self.times[b].start < self.times[a].signal:
                     problems.append(f"task {b} ({self.labels[b]}) started before task {a} of its list ended")
+                if self.times[b].produce_start < self.times[a].produce_end:
+                    problems.append(f"task {b} ({self.labels[b]}): its producer began before task {a}'s was done")
         last = self.last_signallers()
         for h, t in zip(self.headers, self.times):
             for e in h.waits:
@@ -196,13 +212,14 @@ def percentile(values: Sequence[int], p: float) -> int | None:
 
 def timer_step(tl: Timeline) -> int | None:
     """The smallest gap between two distinct stamps of the step: the timer's resolution, as observed."""
-    stamps = sorted({getattr(t, s) for t in tl.times for s in _STAMPS})
+    stamps = sorted({getattr(t, s) for t in tl.times for s in (*_STAMPS, "produce_start", "produce_end")})
     return min((b - a for a, b in zip(stamps, stamps[1:])), default=None)
 
 
 def summarize(tl: Timeline, slowest: int = 10) -> dict:
-    """Where the step's time goes (module docstring for what each interval holds): CTA time by interval,
-    per op kind (tasks, totals and means, bytes and bytes / body time), and event hand-off latency."""
+    """Where the step's time goes (module docstring for what each interval holds): the consumers' CTA time
+    by interval, the producers' time and ring waits, per op kind (tasks, totals and means, bytes issued and
+    modelled, bytes / body time), and event hand-off latency."""
     t0, t1 = tl.t0, tl.t1
     wall = t1 - t0
     lists = tl.lists()
@@ -210,26 +227,34 @@ def summarize(tl: Timeline, slowest: int = 10) -> dict:
     cta_time["between"] = sum(tl.times[b].start - tl.times[a].signal for ts in lists.values() for a, b in zip(ts, ts[1:]))
     cta_time["outside"] = sum((tl.times[ts[0]].start - t0) + (t1 - tl.times[ts[-1]].signal) for ts in lists.values())
     window = len(lists) * wall
+    producer = {"produce": sum(t.produce for t in tl.times), "ring_wait": sum(t.ring_wait for t in tl.times)}
     by_op: dict[str, dict] = {}
     for i, op in enumerate(tl.ops):
-        s = by_op.setdefault(op, {"count": 0, **{f"{name}_ns": 0 for name in INTERVALS}, "weight_bytes": 0, "other_bytes": 0})
+        s = by_op.setdefault(op, {"count": 0, **{f"{name}_ns": 0 for name in INTERVALS}, "produce_ns": 0, "ring_wait_ns": 0,
+                                  "issued_bytes": 0, "weight_bytes": 0, "other_bytes": 0})  # fmt: skip
+        t = tl.times[i]
         s["count"] += 1
         for name in INTERVALS:
-            s[f"{name}_ns"] += tl.times[i].interval(name)
+            s[f"{name}_ns"] += t.interval(name)
+        s["produce_ns"] += t.produce
+        s["ring_wait_ns"] += t.ring_wait
+        s["issued_bytes"] += t.issued_bytes
         if tl.weight_bytes is not None:
             s["weight_bytes"] += tl.weight_bytes[i]
             s["other_bytes"] += tl.other_bytes[i]
     for s in by_op.values():
-        for name in INTERVALS:
+        for name in (*INTERVALS, "produce"):
             s[f"{name}_mean_ns"] = s[f"{name}_ns"] / s["count"]
-        moved = s["weight_bytes"] + s["other_bytes"]
-        s["body_GBps"] = moved / s["body_ns"] if tl.weight_bytes is not None and s["body_ns"] > 0 else None  # bytes / ns = GB/s
+        streamed = s["issued_bytes"] or s["weight_bytes"]
+        moved = streamed + s["other_bytes"]
+        s["body_GBps"] = moved / s["body_ns"] if (s["issued_bytes"] or tl.weight_bytes is not None) and s["body_ns"] > 0 else None  # bytes / ns = GB/s
         if tl.weight_bytes is None:
             s["weight_bytes"] = s["other_bytes"] = None
     handoffs = tl.handoffs()
     blocking = [h for h in handoffs if h.blocking]
     latencies = [h.latency for h in blocking]
-    total_bytes = sum(tl.weight_bytes) + sum(tl.other_bytes) if tl.weight_bytes is not None else None
+    issued = sum(t.issued_bytes for t in tl.times)
+    modelled = sum(tl.weight_bytes) + sum(tl.other_bytes) if tl.weight_bytes is not None else None
     return {
         "step": tl.step,
         "tasks": len(tl.times),
@@ -239,6 +264,8 @@ def summarize(tl: Timeline, slowest: int = 10) -> dict:
         "timer_step_ns": timer_step(tl),
         "cta_time_ns": cta_time,
         "cta_time_fraction": {k: (v / window if window else 0.0) for k, v in cta_time.items()},
+        "producer_ns": producer,
+        "producer_fraction": {k: (v / window if window else 0.0) for k, v in producer.items()},
         "by_op": dict(sorted(by_op.items(), key=lambda kv: -(kv[1]["wait_ns"] + kv[1]["body_ns"]))),
         "handoff": {
             "waits": len(handoffs),
@@ -253,9 +280,10 @@ def summarize(tl: Timeline, slowest: int = 10) -> dict:
                 for h in sorted(blocking, key=lambda h: -h.latency)[:slowest]
             ],  # fmt: skip
         },
+        "issued_bytes": issued,
         "weight_bytes": sum(tl.weight_bytes) if tl.weight_bytes is not None else None,
         "other_bytes": sum(tl.other_bytes) if tl.other_bytes is not None else None,
-        "step_GBps": total_bytes / wall if total_bytes is not None and wall > 0 else None,
+        "step_GBps": modelled / wall if modelled is not None and wall > 0 else None,
     }
 
 
@@ -265,24 +293,25 @@ def _us(ns: float | None) -> str:
 
 def format_summary(s: dict) -> str:
     """summarize()'s dict as text."""
-    frac = s["cta_time_fraction"]
+    frac, pfrac = s["cta_time_fraction"], s["producer_fraction"]
     lines = [
         f"k3mk profile: step {s['step']}, {s['tasks']} tasks on {s['ctas']} CTAs (lists with tasks), wall {_us(s['wall_ns'])} us "
         "(first task start -> last task end; launch and CTA exit outside)",
         f"timer: {s['timer']}; smallest gap between distinct stamps of this step: {s['timer_step_ns']} ns",
-        f"CTA time ({s['ctas']} CTAs x wall): "
-        + ", ".join(f"{name} {frac[name] * 100:.1f}%" for name in (*INTERVALS, "between", "outside")),
+        f"consumer CTA time ({s['ctas']} CTAs x wall): " + ", ".join(f"{name} {frac[name] * 100:.1f}%" for name in (*INTERVALS, "between", "outside"))
+        + " (wait = blocked on events)",
+        f"producer time: producing {pfrac['produce'] * 100:.1f}%, of which blocked on a full ring {pfrac['ring_wait'] * 100:.1f}% "
+        f"of CTA time; issued {s['issued_bytes'] / 1e6:.2f} MB",
         "",
         f"{'op kind':16s} {'tasks':>6s} {'wait us':>10s} {'wait mean':>10s} {'body us':>10s} {'body mean':>10s} "
-        f"{'fence mean':>10s} {'MB':>9s} {'body GB/s':>9s}",
+        f"{'ring wait us':>12s} {'issued MB':>9s} {'model MB':>9s} {'body GB/s':>9s}",
     ]
     for op, o in s["by_op"].items():
-        moved = None if o["weight_bytes"] is None else (o["weight_bytes"] + o["other_bytes"]) / 1e6
-        mb = "-" if moved is None else f"{moved:.2f}"
+        model = "-" if o["weight_bytes"] is None else f"{(o['weight_bytes'] + o['other_bytes']) / 1e6:.2f}"
         gbps = "-" if o["body_GBps"] is None else f"{o['body_GBps']:.1f}"
         lines.append(
             f"{op:16s} {o['count']:6d} {_us(o['wait_ns']):>10s} {_us(o['wait_mean_ns']):>10s} {_us(o['body_ns']):>10s} "
-            f"{_us(o['body_mean_ns']):>10s} {_us(o['fence_mean_ns']):>10s} {mb:>9s} {gbps:>9s}"
+            f"{_us(o['body_mean_ns']):>10s} {_us(o['ring_wait_ns']):>12s} {o['issued_bytes'] / 1e6:9.2f} {model:>9s} {gbps:>9s}"
         )
     h = s["handoff"]
     lines += ["", f"hand-off (last signal -> waiter's wait done) over the {h['blocking']} blocking of {h['waits']} waits: "
@@ -299,7 +328,7 @@ def chrome_trace(tl: Timeline) -> dict:
     """Chrome trace event JSON (Perfetto loads it): process = the step, one track per CTA (named with its
     SM), one slice per task named by op kind with the intervals nested in it, and a flow arrow per blocking
     hand-off. Times in us from the step's first task start."""
-    t0, pid = tl.t0, tl.step
+    t0, pid = min(tl.t0, min(t.produce_start for t in tl.times)), tl.step  # producers start ahead of their consumers
 
     def us(ns: int) -> float:
         # 0.1 ns above the exact value: importers that truncate us * 1000 to integer ns (Perfetto's JSON
@@ -309,7 +338,9 @@ def chrome_trace(tl: Timeline) -> dict:
     events: list[dict] = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"k3mk step {tl.step}"}}]
     for cta, tasks in tl.lists().items():
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": cta, "args": {"name": f"CTA {cta} (SM {tl.times[tasks[0]].smid})"}})
-        events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": cta, "args": {"sort_index": cta}})
+        events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": cta, "args": {"sort_index": 2 * cta}})
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": PRODUCER_TRACK + cta, "args": {"name": f"CTA {cta} producer"}})
+        events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": PRODUCER_TRACK + cta, "args": {"sort_index": 2 * cta + 1}})
     for h, t in zip(tl.headers, tl.times):
         args = {"label": tl.labels[h.index], "task": h.index, "position": h.position, "opcode": h.opcode,
                 "waits": [tl.event_name(e) for e in h.waits], "signal": None if h.signal is None else tl.event_name(h.signal),
@@ -322,6 +353,10 @@ def chrome_trace(tl: Timeline) -> dict:
             a, b = getattr(t, _STAMPS[i]), getattr(t, _STAMPS[i + 1])
             if b > a:
                 events.append({"ph": "X", "name": iv, "cat": "interval", "pid": pid, "tid": h.cta, "ts": us(a - t0), "dur": us(b - a)})
+        if t.produce > 0:
+            events.append({"ph": "X", "name": tl.ops[h.index], "cat": "produce", "pid": pid, "tid": PRODUCER_TRACK + h.cta,
+                           "ts": us(t.produce_start - t0), "dur": us(t.produce),
+                           "args": {"label": tl.labels[h.index], "ring_wait_ns": t.ring_wait, "issued_bytes": t.issued_bytes}})  # fmt: skip
     for n, x in enumerate(x for x in tl.handoffs() if x.blocking):
         src, dst = tl.headers[x.signaller], tl.headers[x.waiter]
         # The arrow leaves 1 ns before the signal stamp: inside the signaller's slice, which ends at it.
@@ -331,4 +366,4 @@ def chrome_trace(tl: Timeline) -> dict:
         events.append({"ph": "f", "bp": "e", "id": flow, "name": tl.event_name(x.event), "cat": "handoff", "pid": pid, "tid": dst.cta,
                        "ts": us(tl.times[x.waiter].wait_done - t0)})  # fmt: skip
     return {"traceEvents": events, "displayTimeUnit": "ns",
-            "otherData": {"step": tl.step, "wall_ns": tl.t1 - t0, "timer": TIMER_NOTE}}  # fmt: skip
+            "otherData": {"step": tl.step, "wall_ns": tl.t1 - tl.t0, "timer": TIMER_NOTE}}  # fmt: skip

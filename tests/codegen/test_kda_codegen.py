@@ -85,11 +85,12 @@ def test_codegen_rejects(variant, message):
         emit_source([variant])
 
 
-def test_gated_gemv_halves_rows_per_warp():
-    from k3mk.codegen.ops import KernelConfig, gemv_tuning
+def test_gated_gemv_fills_hold_half_the_rows():
+    """A gated fill carries the gate AND the up rows (two streams): half the rows of a plain one."""
+    from k3mk.ir.streaming import fill_plan
 
-    plain, gated = GemvParams(7168, 512, 1), GemvParams(7168, 512, 1, epilogue="situ_mul")
-    assert gemv_tuning(gated, KernelConfig()).rows_per_warp * 2 == gemv_tuning(plain, KernelConfig()).rows_per_warp
+    plain, gated = fill_plan("gemv", GemvParams(2304, 512, 1)), fill_plan("gemv", GemvParams(2304, 512, 1, epilogue="situ_mul"))
+    assert (plain.rows, gated.rows) == (3, 1) and gated.stream_offset(1) == 2304 * 2
 
 
 def _compile(variants: list[OpVariant], cache) -> tuple[str, dict]:
@@ -112,7 +113,7 @@ def test_gemv_epilogues_compile_sm90a(cache):
     """All eight GEMV epilogue / prologue variants in one kernel (batch 1: about 13 s here)."""
     ptx, info = _compile(GEMV_EPILOGUES, cache)
     assert ".target sm_90a" in ptx
-    assert "ld.global.v4" in ptx and "cp.async.bulk.prefetch.L2.global" in ptx
+    assert "cp.async.bulk.shared::cluster.global" in ptx and "ld.shared.v4" in ptx  # weights through the ring
     assert "div.rn.f32" in ptx  # SiTU's g / beta and u / linear_beta are IEEE divisions, as in torch
     assert "tanh.approx" not in ptx  # accurate tanh (libdevice), not the approximation
 
@@ -121,7 +122,7 @@ def test_kda_ops_compile_sm90a(cache):
     """kda_conv, kda_recurrence and attn_res in one kernel."""
     ptx, info = _compile(KDA_OPS, cache)
     assert ".target sm_90a" in ptx
-    assert "cp.async.bulk.prefetch.L2.global" in ptx  # the recurrence's state prefetch before the wait
+    assert "cp.async.bulk.prefetch.L2.global" in ptx  # the producer's prefetch of the recurrence's state
     assert "sqrt.rn.f32" in ptx  # the q/k L2 norms: x / sqrt(sum x^2 + 1e-6)
     assert ptx.count("st.global.v4") >= 16 + 3  # 16 state rows per warp, 16-byte stores; conv outputs
     assert ptx.count("shfl.sync.bfly") >= 2 * 16 * 5  # two butterflies per state row

@@ -99,8 +99,9 @@ def test_moe_block_compiles(cache):
     """router (rmsnorm) + MXFP4 gated SiTU experts + MXFP4 w2 combine: the LatentMoE expert path."""
     table = all_cases()["moe_graph_b4"].builder.table()
     ptx, info = _compile(table.variants)
-    assert "ld.global.v4" in ptx  # 16-byte weight and packed-code loads
-    assert "ld.global.b8" in ptx or "ld.global.u8" in ptx  # UE8M0 scale bytes
+    assert "cp.async.bulk.shared::cluster.global" in ptx  # experts' codes and scales streamed through the ring
+    assert "ld.shared.v4" in ptx  # 16-byte packed-code loads from the slots
+    assert "ld.shared.b8" in ptx or "ld.shared.u8" in ptx  # UE8M0 scale bytes from the slots
     assert "shfl.sync.bfly" in ptx  # warp reductions and the top-k argmax
     assert ".ftz" not in ptx.replace("ex2.approx.ftz", "").replace("rcp.approx.ftz", "").replace("rsqrt.approx.ftz", "")
 

@@ -59,16 +59,17 @@ def test_codegen_rejects(variant, message):
 
 
 @pytest.mark.slow
-def test_kimi_k3_tp8_artifact(tmp_path):
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_kimi_k3_tp8_artifact(tmp_path, arch):
     """The full kimi-k3 (93 layers, MXFP4 experts) at TP 8, batch 1, max context 4096: capture, every pass,
-    the task table with its comm region, ONE sm_90a cubin and the manifest a TP runner needs. Uncached on a
-    2-core machine: ~90 s of CPU (pipeline ~45 s, CuTe DSL compile 36-48 s; 146 s wall under load); the
-    cubin is cached by source."""
+    the task table with its comm region, ONE cubin for H200 (sm_90a) or Blackwell (sm_100a, the 148-SM
+    schedule) and the manifest a TP runner needs. Uncached on a 2-core machine: ~90 s of CPU per arch
+    (pipeline ~45 s, CuTe DSL compile 36-48 s; 146 s wall under load); the cubin is cached by source."""
     from k3mk.compiler.config import load_config
     from k3mk.compiler.pipeline import compile_artifact
 
     start = time.perf_counter()
-    out = compile_artifact(load_config("kimi-k3"), 8, 1, 4096, "sm_90a", tmp_path / "k3_tp8")
+    out = compile_artifact(load_config("kimi-k3"), 8, 1, 4096, arch, tmp_path / "k3_tp8")
     m = json.loads((out / "manifest.json").read_text())
     assert (out / m["files"]["cubin"]).read_bytes()[:4] == b"\x7fELF" and m["kernel_name"] == "k3mk_megakernel_0"
     assert m["tp"] == 8 and m["comm"]["ranks"] == 8 and m["comm"]["events"] == 372  # 278 all_reduce + 94 all_gather tasks
@@ -78,5 +79,6 @@ def test_kimi_k3_tp8_artifact(tmp_path):
     assert m["tp_shards"]["logits"] == {"dim": 1, "parts": 8, "groups": 1}
     assert m["step_inputs"]["tp_rank"] == {"dtype": "int32", "shape": [1]}
     ptx = (out / m["files"]["ptx"]).read_text()
-    assert ".target sm_90a" in ptx and "atom.global.sys.release.add.u64" in ptx and "ld.acquire.sys.global.b64" in ptx
-    print(f"kimi-k3 TP8 artifact: {time.perf_counter() - start:.0f} s, compile {m['compile']}")
+    assert f".target {arch}" in ptx and "atom.global.sys.release.add.u64" in ptx and "ld.acquire.sys.global.b64" in ptx
+    assert m["num_ctas"] == {"sm_90a": 132, "sm_100a": 148}[arch] and m["block_threads"] == 288
+    print(f"kimi-k3 TP8 {arch} artifact: {time.perf_counter() - start:.0f} s, compile {m['compile']}")

@@ -85,15 +85,17 @@ def test_format_2_operands():
          "mla_latent", "nop", "mla_q_absorb", "mla_decode", "mla_v_up"])  # fmt: skip
 
 
-def test_whole_k3_tiny_artifact(tmp_path):
-    """The whole k3-tiny table is ONE kernel: it compiles to an sm_90a cubin (about 14 s uncached on this
-    2-core machine, then cached by source) and the manifest carries the compile target."""
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_whole_k3_tiny_artifact(tmp_path, arch):
+    """The whole k3-tiny table is ONE kernel: it compiles to an sm_90a / sm_100a cubin (about 14 s uncached
+    on this 2-core machine, then cached by source) and the manifest carries the compile target."""
     pytest.importorskip("cutlass")
     from k3mk.compiler.pipeline import compile_artifact
 
-    out = compile_artifact(config_of("k3-tiny"), 1, 1, MAX_CONTEXT, "sm_90a", tmp_path / "art")
+    out = compile_artifact(config_of("k3-tiny"), 1, 1, MAX_CONTEXT, arch, tmp_path / "art")
     m = json.loads((out / "manifest.json").read_text())
-    assert (out / m["files"]["cubin"]).read_bytes()[:4] == b"\x7fELF"
+    assert (out / m["files"]["cubin"]).read_bytes()[:4] == b"\x7fELF" and m["arch"] == arch
+    assert f".target {arch}" in (out / m["files"]["ptx"]).read_text()
     for key in ("task_table_format", "k3mk_version", "cutlass_dsl_version", "arch", "sm_count", "tp", "max_tokens", "max_context",
                 "weight_format", "kv_dtype", "state_layouts", "config_hash", "params", "buffers", "weights", "states"):  # fmt: skip
         assert key in m, key

@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
     for name in args.cases or cases:
         case = cases[name]
         t0 = time.perf_counter()
-        config = KernelConfig(debug=case.debug, **knobs)
+        config = KernelConfig(**{"debug": case.debug, **knobs})
         target = args.out / (f"{name}@{args.suffix}" if args.suffix else name)
         out = build(case.builder.table(), target, arch=args.arch, config=config, check=case.check)
         print(f"{name:32s} {time.perf_counter() - t0:6.2f} s -> {out}")

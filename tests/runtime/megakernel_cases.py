@@ -170,6 +170,20 @@ def bench_layers_case(batch: int, dim: int, layers: int, ctas: int, tasks_per_ct
                 outputs=[f"x{layers}"])  # fmt: skip
 
 
+def bench_chain_case(batch: int, k: int, n: int, length: int, ctas: int, tasks_per_cta: int) -> Case:
+    """`length` dependent GEMVs alternating [n, k] and [k, n] weights (x_{l+1} = W_l x_l; the streaming
+    loop issue's chain: 4 x 16384 x 7168 bf16 = 940 MB), each tiled over every SM."""
+    b = TableBuilder(ctas)
+    x = b.buffer("x0", "bfloat16", (batch, k))
+    prev: tuple[int, ...] = ()
+    for layer in range(length):
+        rows, cols = (n, k) if layer % 2 == 0 else (k, n)
+        y = b.buffer(f"x{layer + 1}", "bfloat16", (batch, rows))
+        prev = (b.gemv(x, b.weight(f"w{layer}", "bfloat16", (rows, cols)), y, tiles=ctas * tasks_per_cta, wait=prev, name=f"gemv{layer}"),)
+        x = y
+    return Case(f"bench_chain{length}_b{batch}_{n}x{k}", b, lambda gen: {"x0": _bf16(gen, batch, k)}, outputs=[f"x{length}"])
+
+
 def bench_nop_case(ctas: int) -> Case:
     """One nop per CTA: the cost of a step with no work (launch, epoch read, last-CTA-out)."""
     b = TableBuilder(ctas)
@@ -205,6 +219,8 @@ def all_cases() -> dict[str, Case]:
         bench_case(1, 7168, 16384, ctas=132, tasks_per_cta=4),
         bench_case(4, 7168, 16384, ctas=132, tasks_per_cta=4),
         bench_layers_case(1, 7168, 8, ctas=132, tasks_per_cta=2),
+        bench_chain_case(1, 7168, 16384, 4, ctas=132, tasks_per_cta=4),
+        bench_chain_case(4, 7168, 16384, 4, ctas=132, tasks_per_cta=4),
         bench_nop_case(132),
         bench_handoff_case(132, 1024),
     ]

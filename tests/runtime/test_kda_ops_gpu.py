@@ -42,7 +42,7 @@ def load(name: str):
     path = artifacts_dir() / name
     if not (path / "manifest.json").exists():
         pytest.skip(f"no artifact at {path}: run tests/runtime/build_megakernel_cases.py")
-    case = CASES[name]
+    case = CASES[name.split("@")[0]]  # <case>@<suffix>: a variant build of the case
     assert (path / "task_table.bin").read_bytes() == case.builder.table().encode(), f"{path} is stale: rebuild it"
     return case, Megakernel(path)
 

@@ -32,7 +32,7 @@ CASES = {n: c for n, c in all_cases().items() if isinstance(c, MoeMlaCase)}
 OP_CASES = [n for n, c in CASES.items() if c.kind != "bench" and not c.meta.get("bench")]
 MLA_BENCH_CASES = [n for n, c in CASES.items() if c.kind == "mla" and c.meta.get("bench")]
 BENCH_CASES = [n for n, c in CASES.items() if c.kind == "bench"]
-# Tuning sweeps: artifacts <case>@<suffix> built with --config gemv_rows_per_warp=R --config gemv_unroll=U --suffix <suffix>
+# Tuning sweeps: artifacts <case>@<suffix> built with --config slot_bytes=S --config gemv_unroll=U --suffix <suffix>
 BENCH_SUFFIXES = [s for s in os.environ.get("K3MK_BENCH_SUFFIXES", "").split(",") if s]
 BENCH_ARTIFACTS = BENCH_CASES + [f"{n}@{s}" for n in BENCH_CASES for s in BENCH_SUFFIXES]
 BF16_TOLERANCE = 1e-2  # ||out - ref|| / ||ref||, as the framework's op tests

@@ -14,7 +14,7 @@ from k3mk.ir.task_table import AddParams, Event, NopParams, OpVariant, Task, Tas
 from k3mk.runtime import abi, table
 from k3mk.runtime.manifest import Manifest
 from k3mk.runtime.megakernel import Megakernel
-from k3mk.runtime.profile import TASK_BYTES_FILE, Timeline, chrome_trace, format_summary, percentile, summarize
+from k3mk.runtime.profile import PRODUCER_TRACK, TASK_BYTES_FILE, Timeline, chrome_trace, format_summary, percentile, summarize
 
 sys.path.insert(0, str(Path(__file__).parent))
 from megakernel_cases import all_cases  # noqa: E402
@@ -23,14 +23,16 @@ STEP = 5
 # Two CTAs. Global task index = list offset + position: A=0, B=1 (CTA 0), C=2, D=3 (CTA 1).
 #   A add  signals e0            | C add  waits e0, signals e1
 #   B nop  waits e1              | D nop  waits e0 (already signalled when D starts)
-# Stamps (ns): start, prefetched, wait_done, body_end, signal, smid
+# Consumer stamps (ns): start, wait_done, body_end, smid; the producer's: produce_start, produce_end,
+# ring_wait (ns), issued_bytes
 STAMPS = {
-    0: (1000, 1032, 1064, 2064, 2100, 7),
-    1: (2200, 2232, 4000, 4100, 4100, 7),  # signals nothing: signal = body_end
-    2: (1100, 1200, 2600, 3500, 3600, 9),
-    3: (3700, 3710, 3800, 3900, 3900, 9),
+    0: (1000, 1064, 2100, 7, 900, 950, 0, 4096),
+    1: (2200, 4000, 4100, 7, 950, 960, 0, 0),
+    2: (1100, 2600, 3600, 9, 800, 1500, 600, 2048),  # its producer waited 600 ns for free ring slots
+    3: (3700, 3800, 3900, 9, 1500, 1510, 0, 0),
 }
 TASK_BYTES = {"weight_bytes": [4096, 0, 2048, 0], "other_bytes": [100, 10, 200, 20]}
+FIELDS = ("start", "wait_done", "body_end", "smid", "produce_start", "produce_end", "ring_wait", "issued_bytes")
 
 
 def loaded_table() -> table.LoadedTable:
@@ -48,8 +50,7 @@ def records(stamps=STAMPS, step=STEP) -> list[list[int]]:
     """Rows in abi.PROFILE_FIELDS order, as Megakernel.profile_records returns them."""
     out = []
     for i in range(len(stamps)):
-        start, prefetched, wait_done, body_end, signal, smid = stamps[i]
-        row = dict(start=start, prefetched=prefetched, wait_done=wait_done, body_end=body_end, signal=signal, smid=smid, epoch=step)
+        row = {**dict(zip(FIELDS, stamps[i])), "epoch": step}
         out.append([row[f] for f in abi.PROFILE_FIELDS])
     return out
 
@@ -69,36 +70,40 @@ def test_timeline(tl):
     assert tl.ops == ["add", "nop", "add", "nop"] and tl.labels == ["A", "B", "C", "D"]
     assert tl.event_names == ["a_done", "c_done"] and tl.lists() == {0: [0, 1], 1: [2, 3]}
     assert (tl.t0, tl.t1) == (1000, 4100)
-    assert [tl.times[2].interval(i) for i in ("prefetch", "wait", "body", "fence")] == [100, 1400, 900, 100]
+    assert [tl.times[2].interval(i) for i in ("wait", "body")] == [1500, 1000]
+    assert (tl.times[2].produce, tl.times[2].ring_wait, tl.times[2].issued_bytes) == (700, 600, 2048)
     assert tl.violations() == []
 
 
 def test_handoffs(tl):
     got = [(h.event, h.waiter, h.signaller, h.latency, h.blocking) for h in tl.handoffs()]
     assert got == [
-        (1, 1, 2, 400, True),  # B waited from 2232; C signalled e1 at 3600; B done at 4000
-        (0, 2, 0, 500, True),  # C waited from 1200; A signalled e0 at 2100; C done at 2600
-        (0, 3, 0, 1700, False),  # D began waiting at 3710, after A's 2100: D was late, not blocked
+        (1, 1, 2, 400, True),  # B waited from 2200; C signalled e1 at 3600; B done at 4000
+        (0, 2, 0, 500, True),  # C waited from 1100; A signalled e0 at 2100; C done at 2600
+        (0, 3, 0, 1700, False),  # D began waiting at 3700, after A's 2100: D was late, not blocked
     ]
 
 
 def test_summary(tl):
     s = summarize(tl)
     assert (s["step"], s["tasks"], s["ctas"], s["wall_ns"]) == (STEP, 4, 2, 3100)  # 4100 - 1000
-    assert s["timer_step_ns"] == 10  # D's 3700 -> 3710, the closest two distinct stamps
-    # prefetch 32+32+100+10, wait 32+1768+1400+90, body 1000+100+900+100, fence 36+0+100+0,
-    # between (2200-2100) + (3700-3600), outside CTA 1: (1100-1000) + (4100-3900)
-    assert s["cta_time_ns"] == {"prefetch": 174, "wait": 3290, "body": 2100, "fence": 136, "between": 200, "outside": 300}
+    assert s["timer_step_ns"] == 10  # producers' 950 -> 960 and 1500 -> 1510, the closest distinct stamps
+    # wait 64+1800+1500+100, body 1036+100+1000+100, between (2200-2100) + (3700-3600),
+    # outside CTA 1: (1100-1000) + (4100-3900)
+    assert s["cta_time_ns"] == {"wait": 3464, "body": 2236, "between": 200, "outside": 300}
     assert sum(s["cta_time_ns"].values()) == 2 * 3100  # every CTA's whole window is accounted for
-    assert s["cta_time_fraction"]["wait"] == pytest.approx(3290 / 6200)
-    assert list(s["by_op"]) == ["add", "nop"]  # by wait + body: 1432 + 1900 > 1858 + 200
+    assert s["cta_time_fraction"]["wait"] == pytest.approx(3464 / 6200)
+    assert s["producer_ns"] == {"produce": 50 + 10 + 700 + 10, "ring_wait": 600}
+    assert s["producer_fraction"]["ring_wait"] == pytest.approx(600 / 6200)
+    assert list(s["by_op"]) == ["add", "nop"]  # by wait + body: 1564 + 2036 > 1900 + 200
     add, nop = s["by_op"]["add"], s["by_op"]["nop"]
-    assert (add["count"], add["prefetch_ns"], add["wait_ns"], add["body_ns"], add["fence_ns"]) == (2, 132, 1432, 1900, 136)
-    assert (add["wait_mean_ns"], add["body_mean_ns"], add["fence_mean_ns"]) == (716, 950, 68)
-    assert (add["weight_bytes"], add["other_bytes"]) == (6144, 300)
-    assert add["body_GBps"] == pytest.approx(6444 / 1900)  # bytes / ns = GB/s
-    assert (nop["wait_ns"], nop["body_ns"], nop["body_GBps"]) == (1858, 200, pytest.approx(30 / 200))
-    assert (s["weight_bytes"], s["other_bytes"], s["step_GBps"]) == (6144, 330, pytest.approx(6474 / 3100))
+    assert (add["count"], add["wait_ns"], add["body_ns"], add["produce_ns"], add["ring_wait_ns"]) == (2, 1564, 2036, 750, 600)
+    assert (add["wait_mean_ns"], add["body_mean_ns"], add["produce_mean_ns"]) == (782, 1018, 375)
+    assert (add["issued_bytes"], add["weight_bytes"], add["other_bytes"]) == (6144, 6144, 300)
+    assert add["body_GBps"] == pytest.approx(6444 / 2036)  # issued + other bytes / ns = GB/s
+    assert (nop["wait_ns"], nop["body_ns"], nop["body_GBps"]) == (1900, 200, pytest.approx(30 / 200))
+    assert (s["issued_bytes"], s["weight_bytes"], s["other_bytes"]) == (6144, 6144, 330)
+    assert s["step_GBps"] == pytest.approx(6474 / 3100)
     h = s["handoff"]
     assert (h["waits"], h["blocking"], h["median_ns"], h["p90_ns"], h["max_ns"]) == (3, 2, 400, 500, 500)
     assert [(x["event"], x["latency_ns"], x["signaller"], x["waiter"]) for x in h["slowest"]] == [
@@ -106,11 +111,13 @@ def test_summary(tl):
     text = format_summary(s)
     assert "wall 3.10 us" in text and "median 0.40 us, p90 0.50 us" in text
     assert "0.50 us  a_done: CTA 0 A -> CTA 1 C" in text
+    assert "blocked on a full ring 9.7%" in text and "wait 55.9%" in text
 
 
 def test_summary_without_bytes():
     s = summarize(Timeline.from_records(loaded_table(), records(), STEP))
-    assert s["weight_bytes"] is None and s["step_GBps"] is None and s["by_op"]["add"]["body_GBps"] is None
+    assert s["weight_bytes"] is None and s["step_GBps"] is None and s["by_op"]["nop"]["body_GBps"] is None
+    assert s["by_op"]["add"]["body_GBps"] == pytest.approx(6144 / 2036)  # the bytes its producer issued are known
     assert " - " in format_summary(s)
 
 
@@ -131,22 +138,24 @@ def test_chrome_trace(tl):
     trace = json.loads(json.dumps(chrome_trace(tl)))
     events = trace["traceEvents"]
     names = {(e["tid"], e["args"]["name"]) for e in events if e["name"] == "thread_name"}
-    assert names == {(0, "CTA 0 (SM 7)"), (1, "CTA 1 (SM 9)")}
+    assert names == {(0, "CTA 0 (SM 7)"), (1, "CTA 1 (SM 9)"), (PRODUCER_TRACK, "CTA 0 producer"), (PRODUCER_TRACK + 1, "CTA 1 producer")}
     tasks = [e for e in events if e["ph"] == "X" and e["cat"] == "task"]
-    # ns from the first start (1000): A 0 + 1100, B 1200 + 1900, C 100 + 2500, D 2700 + 200
+    # ns from the first stamp (C's producer at 800): A 200 + 1100, B 1400 + 1900, C 300 + 2500, D 2900 + 200
     assert [(e["name"], e["tid"], perfetto_ns(e["ts"]), perfetto_ns(e["dur"])) for e in tasks] == [
-        ("add", 0, 0, 1100), ("nop", 0, 1200, 1900), ("add", 1, 100, 2500), ("nop", 1, 2700, 200)]  # fmt: skip
+        ("add", 0, 200, 1100), ("nop", 0, 1400, 1900), ("add", 1, 300, 2500), ("nop", 1, 2900, 200)]  # fmt: skip
     assert tasks[2]["args"]["label"] == "C" and tasks[2]["args"]["waits"] == ["a_done"] and tasks[2]["args"]["signal"] == "c_done"
-    assert tasks[2]["args"]["weight_bytes"] == 2048 and tasks[2]["args"]["wait_ns"] == 1400
+    assert tasks[2]["args"]["weight_bytes"] == 2048 and tasks[2]["args"]["wait_ns"] == 1500
     parts = [(e["name"], perfetto_ns(e["ts"]), perfetto_ns(e["dur"])) for e in events if e.get("cat") == "interval" and e["tid"] == 1]
-    # C: 1100 / 1200 / 2600 / 3500 / 3600; D: 3700 / 3710 / 3800 / 3900 (no fence: it signals nothing)
-    assert parts == [("prefetch", 100, 100), ("wait", 200, 1400), ("body", 1600, 900), ("fence", 2500, 100),
-                     ("prefetch", 2700, 10), ("wait", 2710, 90), ("body", 2800, 100)]  # fmt: skip
+    # C: 1100 / 2600 / 3600; D: 3700 / 3800 / 3900
+    assert parts == [("wait", 300, 1500), ("body", 1800, 1000), ("wait", 2900, 100), ("body", 3000, 100)]
+    produced = [(e["tid"] - PRODUCER_TRACK, perfetto_ns(e["ts"]), perfetto_ns(e["dur"]), e["args"]["ring_wait_ns"])
+                for e in events if e.get("cat") == "produce"]  # fmt: skip
+    assert produced == [(0, 100, 50, 0), (0, 150, 10, 0), (1, 0, 700, 600), (1, 700, 10, 0)]
     flows = [(e["ph"], e["id"], e["tid"], perfetto_ns(e["ts"])) for e in events if e.get("cat") == "handoff"]
     # the two blocking hand-offs: C -> B (e1: 3600 -> 4000), A -> C (e0: 2100 -> 2600); arrows leave 1 ns early;
     # ids (step << 32) + n, unique across the steps of a trace file
-    assert flows == [("s", "0x500000000", 1, 2599), ("f", "0x500000000", 0, 3000),
-                     ("s", "0x500000001", 0, 1099), ("f", "0x500000001", 1, 1600)]  # fmt: skip
+    assert flows == [("s", "0x500000000", 1, 2799), ("f", "0x500000000", 0, 3200),
+                     ("s", "0x500000001", 0, 1299), ("f", "0x500000001", 1, 1800)]  # fmt: skip
     assert trace["otherData"]["wall_ns"] == 3100
 
 
@@ -154,7 +163,7 @@ def test_trace_times_survive_truncating_importers():
     """Perfetto truncates us * 1000 to ns: the emitted times come back exact (ns up to 100 s)."""
     from k3mk.runtime import profile
 
-    stamps = {i: (0, 0, 0, 0, ns, 0) for i, ns in enumerate((1, 999, 1234, 123_456_789, 99_999_999_999))}
+    stamps = {i: (0, 0, ns, 0, 0, 0, 0, 0) for i, ns in enumerate((1, 999, 1234, 123_456_789, 99_999_999_999))}
     loaded = table.read_table(TaskTable([OpVariant("nop", NopParams())], [[Task(0)] * 5], []).encode())
     events = profile.chrome_trace(Timeline.from_records(loaded, records(stamps), STEP))["traceEvents"]
     durs = [perfetto_ns(e["dur"]) for e in events if e.get("cat") == "task"]
@@ -163,12 +172,14 @@ def test_trace_times_survive_truncating_importers():
 
 def test_violations_and_bad_records():
     bad = dict(STAMPS)
-    bad[1] = (2200, 2232, 3500, 4100, 4100, 7)  # B done waiting at 3500, before C signalled e1 at 3600
-    bad[3] = (3700, 3710, 3800, 3790, 3900, 9)  # D's body ends before its wait
+    bad[1] = (2200, 3500, 4100, 7, 950, 960, 20, 0)  # B done waiting at 3500, before C signalled e1 at 3600; a 20 ns ring wait in 10
+    bad[3] = (3700, 3800, 3790, 9, 1400, 1510, 0, 0)  # D's body ends before its wait; its producer began before C's ended
     problems = Timeline.from_records(loaded_table(), records(bad), STEP).violations()
-    assert len(problems) == 2
-    assert "task 1 (B) finished waiting on event 1 before task 2 signalled it" in problems[1]
-    assert "task 3 (D): stamps out of order" in problems[0]
+    assert len(problems) == 4, problems
+    assert "task 1 (B): producer record 950..960, ring wait 20 ns" in problems[0]
+    assert "task 3 (D): stamps out of order" in problems[1]
+    assert "task 3 (D): its producer began before task 2's was done" in problems[2]
+    assert "task 1 (B) finished waiting on event 1 before task 2 signalled it" in problems[3]
     with pytest.raises(ValueError, match="has a record of step 4, not 5"):
         Timeline.from_records(loaded_table(), records(step=4), STEP)
     with pytest.raises(ValueError, match="3 tasks, the table has 4"):
@@ -176,8 +187,9 @@ def test_violations_and_bad_records():
 
 
 def simulated_records(loaded: table.LoadedTable, step: int, handoff_ns: int = 300) -> list[list[int]]:
-    """Stamps of a run that obeys the execution model: each CTA runs its list in order; a task is done
-    waiting `handoff_ns` after the last signal of its events (or at once when they came earlier)."""
+    """Stamps of a run that obeys the execution model: each CTA's producer runs its list ahead, its
+    consumers run it in order; a task is done waiting `handoff_ns` after the last signal of its events
+    (or at once when they came earlier)."""
     headers = loaded.task_headers()
     by_cta: dict[int, list] = {}
     for h in headers:
@@ -188,6 +200,7 @@ def simulated_records(loaded: table.LoadedTable, step: int, handoff_ns: int = 30
             signallers.setdefault(h.signal, []).append(h.index)
     stamps: dict[int, tuple] = {}
     clock = {cta: 1000 * cta for cta in by_cta}  # CTAs start at different times
+    producer = {cta: 1000 * cta - 500 for cta in by_cta}
     pending = {cta: list(tasks) for cta, tasks in by_cta.items()}
     while any(pending.values()):
         for cta, tasks in pending.items():
@@ -196,13 +209,13 @@ def simulated_records(loaded: table.LoadedTable, step: int, handoff_ns: int = 30
                 continue
             h = tasks.pop(0)
             start = clock[cta]
-            prefetched = start + 10
-            last = max((stamps[s][4] for e in h.waits for s in signallers[e]), default=0)
-            wait_done = max(prefetched + 40, last + handoff_ns)
+            last = max((stamps[s][2] for e in h.waits for s in signallers[e]), default=0)
+            wait_done = max(start + 40, last + handoff_ns)
             body_end = wait_done + 500 + 100 * h.opcode
-            signal = body_end + 50 if h.signal is not None else body_end
-            stamps[h.index] = (start, prefetched, wait_done, body_end, signal, 100 + cta)
-            clock[cta] = signal + 20
+            produce_start = producer[cta]
+            producer[cta] = produce_start + 30
+            stamps[h.index] = (start, wait_done, body_end, 100 + cta, produce_start, produce_start + 30, 5, 64)
+            clock[cta] = body_end + 20
     return records(stamps, step)
 
 

@@ -3,9 +3,10 @@
 same random weights, the same tokens fed to both for STEPS steps (more than the ring of
 abi.PROFILE_RING_STEPS, so the ring wraps):
 - identical next tokens and bit-identical logits (profiling adds timer reads and stores, nothing else);
-- every record is from its step, every task's stamps are in order (start <= prefetched <= wait_done <=
-  body_end <= signal), each list's tasks follow one another, every waiter's wait_done >= each of its
-  events' signallers' signal stamps, and a CTA's tasks all ran on one SM;
+- every record is from its step, every task's stamps are in order (start <= wait_done <= body_end, the
+  producer's ring waits within its produce interval), each list's tasks follow one another for the
+  consumers and for the producer, every waiter's wait_done >= each of its events' signallers' body_end
+  stamps, and a CTA's tasks all ran on one SM; the bytes the producers issued equal the streamed tiles';
 - the ring keeps exactly the last PROFILE_RING_STEPS steps; the summary accounts for all CTA time.
 The last step's summary is printed (-s); with $K3MK_RESULTS set, written there as JSON.
 """
@@ -67,7 +68,7 @@ def test_profile_build_matches_release_and_its_records_are_sound():
         profile.mk.profile_records(STEPS - abi.PROFILE_RING_STEPS)
     s = summarize(tl)
     assert sum(s["cta_time_ns"].values()) == s["ctas"] * s["wall_ns"] > 0
-    assert s["tasks"] == profile.mk.table.num_tasks and s["weight_bytes"] > 0
+    assert s["tasks"] == profile.mk.table.num_tasks and s["weight_bytes"] > 0 and s["issued_bytes"] > 0
     assert s["handoff"]["blocking"] > 0
     print(format_summary(s))
     out = os.environ.get("K3MK_RESULTS")

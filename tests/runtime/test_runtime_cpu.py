@@ -101,3 +101,31 @@ def test_manifest_checks_profile_builds():
         check_versions(manifest(**{**profile, "abi_version": abi.ABI_VERSION}))
     with pytest.raises(ArtifactError, match="profile record layout"):
         check_versions(manifest(**{**profile, "profile_words_per_task": abi.PROFILE_WORDS + 1}))
+
+
+def test_watchdog_report_names_ring_waits():
+    """A debug build's ring watchdog record (status STATUS_RING_TIMED_OUT: the barrier's smem byte offset,
+    the parity, the fill or record index) is reported as what was waited for, from the manifest's ring;
+    an event wait as before. No GPU: the records are written by hand."""
+    import torch
+
+    from k3mk.runtime.megakernel import Megakernel, WatchdogError
+
+    loaded = table.read_table(all_cases()["diamond"].builder.table().encode())
+    mk = object.__new__(Megakernel)
+    mk.table, mk.num_ctas = loaded, 3
+    mk.manifest = Manifest(Path("."), {"ring": {"slots": 4, "slot_bytes": 16384, "records": 2, "barrier_offset": 1000}})
+    mk.control = torch.zeros(abi.CONTROL_WORDS, dtype=torch.int64)
+    mk.control[abi.C_ABORT] = 1
+    records = torch.zeros(3, abi.DEBUG_WORDS, dtype=torch.int64)
+    # CTA 0: its producer waited for a free slot for fill 9 (slot 1's empty barrier: 1000 + 8 * (4 + 1))
+    records[0] = torch.tensor([abi.STATUS_RING_TIMED_OUT, 17, -1, 1000 + 8 * 5, 1, 9, 2, -1])
+    # CTA 2: its consumers waited for the record of task 3 (record slot 1's full barrier: 1000 + 8 * (8 + 1))
+    records[2] = torch.tensor([abi.STATUS_RING_TIMED_OUT, 40, -1, 1000 + 8 * 9, 0, 3, 2, -1])
+    mk.debug_records = records.flatten()
+    with pytest.raises(WatchdogError) as e:
+        mk.check()
+    text = str(e.value)
+    assert "CTA 0 (SM 17) timed out in its streaming ring: the producer waiting for a free slot for fill 9 (barrier at smem byte 1040)" in text
+    assert "CTA 2 (SM 40) timed out in its streaming ring: the consumers waiting for the record of task 3" in text
+    assert [r["cta"] for r in e.value.records] == [0, 2]

@@ -1,0 +1,314 @@
+"""How a task's weights stream into its CTA's ring of shared-memory slots (docs/megakernel.md, "The
+streaming task loop"): the fill geometry that the producer warp and the consumer warps of a task both
+follow. Pure Python, like the task table: the codegen renders it into the op templates and the
+ring-aware deadlock check (`TaskTable.check_deadlock_free(ring=...)`) counts fills with it, so the
+kernel and the check cannot disagree.
+
+A fill is one slot's worth of one task's weights: a row group of `rows` rows x one K chunk, of every
+stream of the op (a gemv's weight, the gated gemv's weight and weight_up, an MXFP4 expert's codes and
+scales). A row group is adjacent rows of a row-major [out, in] matrix (or of one expert's block of it),
+so each stream of a fill is ONE bulk copy of contiguous bytes. A task's fills come in a fixed order:
+
+  gemv            for g in groups: for c in chunks
+  expert_gated    for b in batch: for g in groups: for c in chunks                 (expert ids[b, slot])
+  expert_combine  for b in batch: for g in groups: for j in top_k: for c in chunks (expert ids[b, j])
+
+and fill (b, g, ...) belongs to consumer warp (b * groups + g) % warps, or g % warps for
+expert_combine (whose requests run one after another, the input restaged per request). A warp
+consumes its fills in order and releases each one before it reaches any CTA barrier; that, and a
+producer that waits only on events its task's consumers wait on too, is why the ring cannot deadlock
+(the argument is in TaskTable.check_deadlock_free).
+
+Bit-exactness: a lane of the consumer warp sums the elements it would sum in a loop over the whole
+row (16-byte vectors lane, lane + 32, ... of the row), in the same order, so a streamed op computes
+what a register-load op computes, bit for bit. Hence chunks are multiples of LANE_ORDER_ELEMENTS.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+SLOT_BYTES = 16 * 1024  # default slot size (codegen/ops.py KernelConfig.slot_bytes)
+VECTOR_BYTES = 16  # every copy is a multiple of 16 bytes from a 16-byte aligned address
+LANE_ORDER_ELEMENTS = 32 * 8  # bf16: 32 lanes x one 16-byte vector: a lane's stride along a row
+MXFP4_LANE_ORDER_ELEMENTS = 32 * 32  # MXFP4: 32 lanes x one 32-code group
+ACCUMULATOR_BUDGET = 16  # fp32 accumulators per lane (rows x batch x gated streams) a fill may need
+STREAMING_OPS = ("gemv", "expert_gated", "expert_combine")
+# Ops whose producer waits on the task's events before issuing (the experts' rows are known once the
+# router has written the ids); every other op's producer never waits on an event.
+PRODUCER_WAITS = frozenset({"expert_gated", "expert_combine"})
+
+
+class StreamingError(ValueError):
+    """An op shape the ring cannot stream (a fill that does not fit a slot, a misaligned copy)."""
+
+
+@dataclass(frozen=True)
+class Stream:
+    """One weight tensor of a fill. `num / den` bytes per element: bf16 2/1, E2M1 codes 1/2, UE8M0
+    scales (one per 32 elements) 1/32. A `window` stream's rows are not whole 16-byte vectors (MXFP4
+    scales of in_features not a multiple of 512): a fill copies the 16-byte aligned window around its
+    rows, which starts (row0 * row bytes) % 16 bytes before them (one expert's block of rows is a
+    multiple of 16 bytes: fill_plan checks it)."""
+
+    operand: str  # the task operand holding its weight id
+    num: int
+    den: int
+    window: bool = False
+
+    def bytes(self, elements: int) -> int:
+        return elements * self.num // self.den
+
+
+@dataclass(frozen=True)
+class FillPlan:
+    """The fill geometry of one op variant (module docstring)."""
+
+    op: str
+    in_features: int  # K: elements of one full row
+    out_features: int  # rows of one expert (the experts' row stride); the gemv's own rows otherwise
+    rows: int  # rows per fill (1 when a row is cut into chunks)
+    chunk: int  # elements per chunk (in_features when chunks == 1)
+    chunks: int
+    streams: tuple[Stream, ...]
+    batch: int
+    top_k: int = 1
+
+    def chunk_elements(self, c: int) -> int:
+        return min(self.chunk, self.in_features - c * self.chunk)
+
+    def stream_bytes(self, st: Stream) -> int:
+        """Slot bytes of stream `st`: its row group, or for a window stream the largest window."""
+        need = self.rows * st.bytes(self.chunk)
+        return -(-need // VECTOR_BYTES) * VECTOR_BYTES + VECTOR_BYTES if st.window else need
+
+    def stream_offset(self, s: int) -> int:
+        """Byte offset of stream s in a slot: the streams' row groups one after another."""
+        return sum(self.stream_bytes(st) for st in self.streams[:s])
+
+    def fill_bytes(self, valid_rows: int, c: int) -> int:
+        """Bytes the non-window streams of a fill of `valid_rows` rows (the last group may be short) x
+        chunk c bring (a window stream adds its window's length, known at run time)."""
+        return sum(valid_rows * st.bytes(self.chunk_elements(c)) for st in self.streams if not st.window)
+
+    @property
+    def slot_need(self) -> int:
+        return sum(self.stream_bytes(st) for st in self.streams)
+
+    def groups(self, row_count: int) -> int:
+        return -(-row_count // self.rows)
+
+    def task_fills(self, row_count: int) -> int:
+        """Fills of a task of `row_count` rows, in every request (and routing slot) it covers."""
+        reps = self.batch * (self.top_k if self.op == "expert_combine" else 1) if self.op != "gemv" else 1
+        return reps * self.groups(row_count) * self.chunks
+
+    def owners(self, row_count: int, warps: int) -> list[int]:
+        """The consumer warp of each fill of a task, in issue order (module docstring)."""
+        groups = self.groups(row_count)
+        if self.op == "gemv":
+            return [g % warps for g in range(groups) for _ in range(self.chunks)]
+        if self.op == "expert_gated":
+            return [(b * groups + g) % warps for b in range(self.batch) for g in range(groups) for _ in range(self.chunks)]
+        return [g % warps for _ in range(self.batch) for g in range(groups) for _ in range(self.top_k) for _ in range(self.chunks)]
+
+
+def _bf16(operand: str) -> Stream:
+    return Stream(operand, 2, 1)
+
+
+def _mxfp4(codes: str, scales: str, in_features: int) -> tuple[Stream, Stream]:
+    return Stream(codes, 1, 2), Stream(scales, 1, 32, window=(in_features // 32) % VECTOR_BYTES != 0)
+
+
+def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | None:
+    """The fill geometry of a variant, or None when the op does not stream its weights (it reads global
+    memory in its body: every op but the weight GEMVs and the routed experts)."""
+    if op not in STREAMING_OPS:
+        return None
+    k, batch = params.in_features, params.batch
+    if op == "gemv":
+        gated = params.epilogue in ("silu_mul", "situ_mul")
+        streams = (_bf16("weight"), _bf16("weight_up")) if gated else (_bf16("weight"),)
+        accumulators_per_row = batch * len(streams)
+        lane_order, top_k = LANE_ORDER_ELEMENTS, 1
+    else:
+        gated = op == "expert_gated"
+        if params.weight_format == "mxfp4":
+            streams = _mxfp4("weight", "scale", k) + (_mxfp4("weight_up", "scale_up", k) if gated else ())
+            lane_order = MXFP4_LANE_ORDER_ELEMENTS
+        else:
+            streams = (_bf16("weight"), _bf16("weight_up")) if gated else (_bf16("weight"),)
+            lane_order = LANE_ORDER_ELEMENTS
+        accumulators_per_row = 2 if gated else 1  # one request at a time
+        top_k = params.top_k
+    row_bytes = sum(st.bytes(k) for st in streams)
+    windows = [st for st in streams if st.window]
+    if windows and (params.out_features * windows[0].bytes(k)) % VECTOR_BYTES:
+        raise StreamingError(f"{op}: an expert's MXFP4 scales ({params.out_features} rows x {windows[0].bytes(k)} B) are not a "
+                             f"multiple of {VECTOR_BYTES} bytes, which the ring's bulk copies need")  # fmt: skip
+    max_rows = max(1, ACCUMULATOR_BUDGET // accumulators_per_row)
+    window_slack = 2 * VECTOR_BYTES * len(windows)  # a window stream's alignment and rounding
+    if row_bytes + window_slack <= slot_bytes:
+        rows, chunk, chunks = min(max_rows, (slot_bytes - window_slack) // row_bytes), k, 1
+    elif windows:
+        raise StreamingError(f"{op}: an MXFP4 row of {k} elements ({row_bytes} B with its scales) does not fit a {slot_bytes}-byte slot")
+    else:
+        # one row per fill, cut into the fewest equal chunks (multiples of the lane order) a slot holds
+        per_element = row_bytes / k
+        fit = int(slot_bytes // per_element) // lane_order * lane_order
+        if fit < lane_order:
+            raise StreamingError(f"{op}: a {slot_bytes}-byte slot holds no chunk of {lane_order} elements of its {len(streams)} stream(s)")
+        chunks = -(-k // fit)
+        chunk = -(-k // (chunks * lane_order)) * lane_order
+        chunks, rows = -(-k // chunk), 1
+    plan = FillPlan(op, k, params.out_features, rows, chunk, chunks, streams, batch, top_k)
+    for st in streams:
+        for c in range(chunks):
+            if not st.window and (st.bytes(plan.chunk_elements(c)) % VECTOR_BYTES or st.bytes(k) % VECTOR_BYTES):
+                raise StreamingError(f"{op} stream {st.operand!r}: a row of {k} elements gives copies that are not multiples of {VECTOR_BYTES} bytes")
+    assert plan.slot_need <= slot_bytes
+    return plan
+
+
+def producer_waits(op: str) -> bool:
+    """Whether the producer waits on the task's events before issuing its fills (the routed experts)."""
+    return op in PRODUCER_WAITS
+
+
+
+@dataclass(frozen=True)
+class RingModel:
+    """What the ring-aware deadlock check needs to know of a kernel: its ring (codegen/ops.py RingLayout)."""
+
+    slots: int
+    records: int
+    warps: int
+    slot_bytes: int = SLOT_BYTES
+
+
+def check_ring(table: Any, ring: RingModel, rng: Any = None) -> None:
+    """Execute one step of `table` abstractly with the streaming loop's processes: per CTA a producer
+    (forwards record i once its consumers finished task i - records; for a routed expert, waits on the
+    task's events; issues the task's fills, fill f once fill f - slots was released) and its consumers
+    (take record j once forwarded, wait on the task's events, consume the task's fills as they land,
+    signal). Raises ValueError naming the stuck producers and consumers if some task never runs.
+
+    Every enabling condition only ever becomes true (counters grow), so the set of actions that can run
+    is the same in every execution: if this one (greedy, or in the random interleaving `rng` picks)
+    completes, none deadlocks. The consumers are modelled as one process taking the task's fills in
+    order; the real warps take their own fills in order and release each before any CTA barrier, so a
+    fill the producer waits for is always held by a warp that can finish it (ir/streaming.py docstring)."""
+    counts = table.event_counts()
+    seen = [0] * len(table.events)
+    plans = [fill_plan(v.op, v.params, ring.slot_bytes) for v in table.variants]
+    lists = table.lists
+    n = len(lists)
+    if ring.slots < 1 or ring.records < 1:
+        raise ValueError(f"a ring needs slots and records, got {ring}")
+
+    def fills(t) -> int:
+        plan = plans[t.opcode]
+        return plan.task_fills(t.operands.get("row_count", 0)) if plan else 0
+
+    def missing(t) -> int | None:
+        return next((e for e in t.wait if seen[e] < counts[e]), None)
+
+    p_task, p_fills, p_within, forwarded, p_waited = [0] * n, [0] * n, [0] * n, [0] * n, [False] * n
+    c_task, c_fills, c_within, started = [0] * n, [0] * n, [0] * n, [False] * n
+    blocked: dict[int, list[tuple[int, str]]] = {}
+    ready: deque = deque((s, role) for s in range(n) for role in ("producer", "consumer"))
+    queued = set(ready)
+
+    def wake(proc):
+        if proc not in queued:
+            queued.add(proc)
+            ready.append(proc)
+
+    def run_producer(s: int, budget: int) -> bool:
+        moved = False
+        while p_task[s] < len(lists[s]) and budget > 0:
+            i, t = p_task[s], lists[s][p_task[s]]
+            if forwarded[s] == i:
+                if i - ring.records >= c_task[s]:
+                    break  # the record slot is still the consumers' (task i - records)
+                forwarded[s], moved, budget = i + 1, True, budget - 1
+            if producer_waits(table.variants[t.opcode].op) and not p_waited[s]:
+                e = missing(t)
+                if e is not None:
+                    blocked.setdefault(e, []).append((s, "producer"))
+                    break
+                p_waited[s] = True
+            total = fills(t)
+            issue = min(total - p_within[s], c_fills[s] + ring.slots - p_fills[s])
+            if issue > 0:
+                p_fills[s] += issue
+                p_within[s] += issue
+                moved, budget = True, budget - 1
+            if p_within[s] < total:
+                break  # every slot holds a fill its consumers have not released
+            p_task[s], p_within[s], p_waited[s] = i + 1, 0, False
+        return moved
+
+    def run_consumer(s: int, budget: int) -> bool:
+        moved = False
+        while c_task[s] < len(lists[s]) and budget > 0:
+            j, t = c_task[s], lists[s][c_task[s]]
+            if not started[s]:
+                if forwarded[s] <= j:
+                    break
+                e = missing(t)
+                if e is not None:
+                    blocked.setdefault(e, []).append((s, "consumer"))
+                    break
+                started[s] = True
+            total = fills(t)
+            take = min(total - c_within[s], p_fills[s] - c_fills[s])
+            if take > 0:
+                c_fills[s] += take
+                c_within[s] += take
+                moved, budget = True, budget - 1
+            if c_within[s] < total:
+                break
+            if t.signal is not None:
+                seen[t.signal] += 1
+                if seen[t.signal] == counts[t.signal]:
+                    for proc in blocked.pop(t.signal, []):
+                        wake(proc)
+            c_task[s], c_within[s], started[s] = j + 1, 0, False
+            moved, budget = True, budget - 1
+        return moved
+
+    while ready:
+        if rng is None:
+            proc = ready.popleft()
+        else:
+            k = rng.randrange(len(ready))
+            ready.rotate(-k)
+            proc = ready.popleft()
+        queued.discard(proc)
+        s, role = proc
+        budget = 1 << 62 if rng is None else rng.randint(1, 3)
+        moved = (run_producer if role == "producer" else run_consumer)(s, budget)
+        if moved:
+            wake((s, "consumer" if role == "producer" else "producer"))
+            if rng is not None:
+                wake(proc)  # a bounded run may have stopped short: look again
+    stuck = [s for s in range(n) if c_task[s] < len(lists[s])]
+    if stuck:
+        lines = [f"deadlock in the streaming loop ({ring.slots} ring slots, {ring.records} records): {len(stuck)} CTAs stuck"]
+        for s in stuck[:6]:
+            lines.append(f"  CTA {s}: producer {_where(table, s, p_task[s], seen, counts)}; "
+                         f"consumers {_where(table, s, c_task[s], seen, counts)}")  # fmt: skip
+        raise ValueError("\n".join(lines))
+
+
+def _where(table: Any, s: int, i: int, seen: list[int], counts: list[int]) -> str:
+    tasks = table.lists[s]
+    if i >= len(tasks):
+        return "done"
+    t = tasks[i]
+    waits = ", ".join(f"event {e} ({table.events[e].name}: {seen[e]}/{counts[e]})" for e in t.wait) or "no events"
+    return f"at task {i} ({t.label or table.variants[t.opcode].op}; waits on {waits})"

@@ -1,0 +1,179 @@
+"""The streaming task loop's codegen (ir/streaming.py fill plans, codegen/ops.py RingLayout, the ring and
+loop templates): fill geometry against an independent model of what each lane sums, the shared-memory
+map, the refusals, and the whole variant set compiled for sm_90a with the instructions the loop needs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from k3mk.codegen.emit import emit_source
+from k3mk.codegen.ops import MIN_RING_SLOTS, OP_SMEM_LIMIT, CodegenError, KernelConfig, ring_layout
+from k3mk.ir.streaming import LANE_ORDER_ELEMENTS, MXFP4_LANE_ORDER_ELEMENTS, VECTOR_BYTES, StreamingError, fill_plan
+from k3mk.ir.task_table import ExpertCombineParams, ExpertGatedParams, GemvParams, MlaDecodeParams, NopParams, OpVariant
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+from megakernel_cases import all_cases  # noqa: E402
+
+# Every gemv epilogue / prologue kind at batch 1, 4 and 16 (odd shapes, the GPU op cases'), the real
+# models' shapes (Kimi Linear 48B, K3: K = 2304, 9216, 7168, 33792), and the experts in both formats.
+GEMVS = [
+    GemvParams(520, 333, 1),
+    GemvParams(1032, 257, 4, rmsnorm=True, residuals=1),
+    GemvParams(264, 100, 16, rmsnorm=True),
+    GemvParams(7168, 16384, 16),  # x does not fit the smem: read from the arena
+    GemvParams(520, 333, 1, rmsnorm=True, epilogue="situ_mul", linear_beta=25.0),
+    GemvParams(264, 200, 4, epilogue="silu_mul"),
+    GemvParams(264, 200, 16, epilogue="silu_mul"),
+    GemvParams(1032, 257, 4, rmsnorm=True, epilogue="sigmoid_gate"),
+    GemvParams(520, 333, 4, residuals=3),
+    GemvParams(264, 97, 4, rmsnorm=True, out_dtype="float32"),
+    GemvParams(136, 640, 1, epilogue="kda_gate", out_dtype="float32", head_dim=128, lower_bound=-5.0),
+    GemvParams(264, 384, 4, rmsnorm=True, epilogue="kda_gate", out_dtype="float32", head_dim=128),
+    GemvParams(520, 640, 1, rmsnorm=True, epilogue="gated_rmsnorm", head_dim=128, o_eps=1e-5),
+    GemvParams(2304, 4096, 1, rmsnorm=True),
+    GemvParams(9216, 2304, 1, residuals=1),
+    GemvParams(2304, 9216, 1, rmsnorm=True, epilogue="silu_mul"),
+    GemvParams(7168, 2048, 4, rmsnorm=True, epilogue="situ_mul"),
+    GemvParams(33792, 7168, 1, residuals=1),
+]
+EXPERTS = [
+    ("expert_gated", ExpertGatedParams(2304, 1024, 256, 1, 8)),
+    ("expert_combine", ExpertCombineParams(1024, 2304, 256, 4, 8)),
+    ("expert_gated", ExpertGatedParams(3584, 3072, 64, 1, 16, "mxfp4", "situ")),
+    ("expert_combine", ExpertCombineParams(3072, 3584, 64, 4, 16, "mxfp4")),
+    ("expert_gated", ExpertGatedParams(256, 256, 16, 4, 4, "mxfp4", "situ")),  # k3-tiny: 8-byte scale rows (windows)
+    ("expert_gated", ExpertGatedParams(544, 208, 9, 1, 4, "mxfp4", "situ")),  # 17 groups per row
+]
+VARIANTS = [OpVariant("gemv", p) for p in GEMVS] + [OpVariant(op, p) for op, p in EXPERTS]
+
+
+def lane_vectors_whole_row(k: int, vector: int) -> dict[int, list[int]]:
+    """Which 16-byte vectors (bf16) / 32-code groups (MXFP4) of a row each lane sums, in order, when a warp
+    loops over the whole row: lane l takes l, l + 32, ..."""
+    n = k // vector
+    return {lane: list(range(lane, n, 32)) for lane in range(32)}
+
+
+def lane_vectors_by_chunks(plan, vector: int) -> dict[int, list[int]]:
+    """The same for the streamed consumer: chunk c's vectors, lane l taking l, l + 32, ... of each chunk."""
+    out = {lane: [] for lane in range(32)}
+    for c in range(plan.chunks):
+        first, n = c * plan.chunk // vector, plan.chunk_elements(c) // vector
+        for lane in range(32):
+            out[lane] += [first + i for i in range(lane, n, 32)]
+    return out
+
+
+@pytest.mark.parametrize("slot_bytes", [16 * 1024, 32 * 1024, 8 * 1024])
+def test_fill_plans_fit_their_slot_and_keep_each_lanes_summation_order(slot_bytes):
+    for v in VARIANTS:
+        plan = fill_plan(v.op, v.params, slot_bytes)
+        k = v.params.in_features
+        assert plan.slot_need <= slot_bytes and plan.rows >= 1, (v, plan)
+        assert (plan.chunks - 1) * plan.chunk < k <= plan.chunks * plan.chunk
+        assert plan.chunks == 1 or plan.rows == 1
+        for s, st in enumerate(plan.streams):
+            assert plan.stream_offset(s) % VECTOR_BYTES == 0
+            if not st.window:
+                assert all(st.bytes(plan.chunk_elements(c)) % VECTOR_BYTES == 0 for c in range(plan.chunks))
+        vector = 32 if getattr(v.params, "weight_format", "bfloat16") == "mxfp4" else 8
+        # the bit-exactness argument: every lane sums the same elements in the same order as a whole-row loop
+        assert lane_vectors_by_chunks(plan, vector) == lane_vectors_whole_row(k, vector), (v, plan)
+        if plan.chunks > 1:
+            assert plan.chunk % (MXFP4_LANE_ORDER_ELEMENTS if vector == 32 else LANE_ORDER_ELEMENTS) == 0
+
+
+def test_chunks_that_break_the_lane_order_would_be_caught():
+    """The lane model above can fail: a 464-element chunk (what Kimi Linear's K = 2304 once got) changes
+    which elements lane 0 sums."""
+    plan = fill_plan("gemv", GemvParams(9216, 2304, 1), 16 * 1024)
+    bad = type(plan)(**{**plan.__dict__, "chunk": 464, "chunks": -(-9216 // 464)})
+    assert lane_vectors_by_chunks(bad, 8) != lane_vectors_whole_row(9216, 8)
+
+
+def test_fill_counts_and_owners():
+    """Each warp's fills come in issue order; every row group of every request (and slot) is one warp's."""
+    gemv = fill_plan("gemv", GemvParams(2304, 4096, 1), 16 * 1024)
+    assert (gemv.rows, gemv.chunks) == (3, 1)  # 3 rows of 4608 B in a 16 KB slot
+    assert gemv.task_fills(31) == 11 and gemv.owners(31, 8) == [g % 8 for g in range(11)]
+    long = fill_plan("gemv", GemvParams(33792, 7168, 1), 16 * 1024)
+    assert (long.rows, long.chunks, long.chunk) == (1, 5, 6912)  # 5 chunks of 13.5 KB
+    assert long.task_fills(3) == 15 and long.owners(3, 8) == [0] * 5 + [1] * 5 + [2] * 5
+    gated = fill_plan("expert_gated", ExpertGatedParams(3584, 3072, 64, 2, 16, "mxfp4", "situ"), 16 * 1024)
+    assert gated.rows == 4 and gated.task_fills(10) == 2 * 3  # 3 groups of 4 rows per request
+    assert gated.owners(10, 8) == [0, 1, 2, 3, 4, 5]
+    combine = fill_plan("expert_combine", ExpertCombineParams(1024, 2304, 256, 2, 8), 16 * 1024)
+    assert combine.rows == 8 and combine.task_fills(20) == 2 * 3 * 8  # requests x groups x slots
+    assert combine.owners(20, 8) == [0] * 8 + [1] * 8 + [2] * 8 + [0] * 8 + [1] * 8 + [2] * 8
+    for plan, rows in ((gemv, 31), (long, 3), (gated, 10), (combine, 20)):
+        owners = plan.owners(rows, 8)
+        assert len(owners) == plan.task_fills(rows)
+
+
+def test_mxfp4_scale_windows():
+    """k3-tiny's experts have 8-byte scale rows: a fill copies the 16-byte window around them; K3's 112-byte
+    rows are whole vectors and copy as they are."""
+    tiny = fill_plan("expert_gated", ExpertGatedParams(256, 256, 16, 1, 4, "mxfp4", "situ"))
+    assert [st.window for st in tiny.streams] == [False, True, False, True]
+    assert tiny.stream_bytes(tiny.streams[1]) == -(-tiny.rows * 8 // 16) * 16 + 16
+    k3 = fill_plan("expert_gated", ExpertGatedParams(3584, 3072, 896, 1, 16, "mxfp4", "situ"))
+    assert not any(st.window for st in k3.streams)
+    assert k3.fill_bytes(4, 0) == 4 * 2 * (1792 + 112)
+
+
+@pytest.mark.parametrize("op, params, message", [
+    ("expert_combine", ExpertCombineParams(224, 264, 9, 1, 4, "mxfp4"), "not a multiple of 16 bytes"),
+    ("expert_gated", ExpertGatedParams(20736, 64, 4, 1, 2, "mxfp4"), "does not fit"),  # 648-byte scale rows: windows, no chunks
+])  # fmt: skip
+def test_fill_plan_rejects(op, params, message):
+    with pytest.raises(StreamingError, match=message):
+        fill_plan(op, params, 16 * 1024)
+
+
+def test_ring_layout():
+    ring = ring_layout(VARIANTS)
+    assert ring.ring_offset >= ring.op_bytes and ring.ring_offset % 128 == 0
+    assert ring.record_offset == ring.ring_offset + ring.slots * ring.slot_bytes
+    assert ring.barrier_offset == ring.record_offset + ring.records * 128
+    assert ring.total <= OP_SMEM_LIMIT
+    assert layout_total(ring, ring.slots + 1) > OP_SMEM_LIMIT  # as many slots as fit
+    capped = ring_layout(VARIANTS, KernelConfig(ring_bytes=64 * 1024))
+    assert capped.slots == 4
+    # a kernel of ops that do not stream keeps the fewest slots: the L1 keeps its share of the SM's memory
+    assert ring_layout([OpVariant("nop", NopParams())]).slots == MIN_RING_SLOTS
+    big = OpVariant("mla_decode", MlaDecodeParams(96, 512, 64, 8192, 1, 64, 128, 0.1, group_heads=32))
+    with pytest.raises(CodegenError, match="ring slots"):
+        ring_layout([big] + VARIANTS[:1], KernelConfig(slot_bytes=96 * 1024))
+
+
+def layout_total(ring, slots: int) -> int:
+    return type(ring)(ring.op_bytes, ring.slot_bytes, slots, ring.records).total
+
+
+def test_case_tables_emit():
+    """Every GPU op case's table generates (the producer halves and consumer halves render)."""
+    for name, case in all_cases().items():
+        source = emit_source(case.builder.table().variants, KernelConfig(debug=case.debug))
+        assert "def producer(" in source and "def consumers(" in source, name
+
+
+def test_streaming_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
+    """All variant kinds in one kernel: ring copies, the loop's barriers and a release add without a fence."""
+    pytest.importorskip("cutlass", reason="compiling needs nvidia-cutlass-dsl (the compile extra)")
+    from k3mk.codegen.build import compile_source
+
+    monkeypatch.setenv("K3MK_CACHE_DIR", str(tmp_path / "cache"))
+    entry, info = compile_source(emit_source(VARIANTS), "sm_90a")
+    print(f"streaming kernel: {info.get('registers')} registers, spills {info.get('spill_store_bytes')} / "
+          f"{info.get('spill_load_bytes')} B, {info['compile_seconds']} s")  # fmt: skip
+    assert info["spill_store_bytes"] == 0
+    ptx = (entry / "megakernel.sm_90a.ptx").read_text()
+    for needle in (".reqntid 288, 1, 1", ".minnctapersm 1", "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
+                   "mbarrier.arrive.expect_tx", "mbarrier.try_wait.parity", "fence.mbarrier_init", "bar.sync 	1, 256",
+                   "red.release.gpu.global.add.u64", "ld.acquire.gpu", "ld.shared.v4"):  # fmt: skip
+        assert needle in ptx, needle
+    # one fence.acq_rel.gpu per CTA exit, none per task: the release add orders the body's stores
+    assert ptx.count("fence.acq_rel.gpu") == 1

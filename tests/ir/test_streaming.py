@@ -1,0 +1,79 @@
+"""The ring-aware deadlock check (ir/streaming.py check_ring, TaskTable.check_deadlock_free(ring=...)): every
+table the compiler emits completes with the streaming loop's producers and consumers, even with the
+smallest ring, in random interleavings too; a planted schedule whose producer would stall against its own
+consumers is refused, naming the producer and what it waits for."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from k3mk.ir.streaming import RingModel, check_ring, fill_plan
+from k3mk.ir.task_table import (
+    ExpertGatedParams,
+    Event,
+    GemvParams,
+    NopParams,
+    OpVariant,
+    RouterTopkParams,
+    Task,
+    TaskTable,
+    TaskTableError,
+    WeightSpec,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "passes"))
+from test_emit_models import emitted  # noqa: E402
+
+EXPERT = OpVariant("expert_gated", ExpertGatedParams(64, 64, 4, 1, 2))
+GEMV = OpVariant("gemv", GemvParams(64, 256, 1))
+ROUTER = OpVariant("router_topk", RouterTopkParams(4, 1, 2))
+
+
+@pytest.mark.parametrize("name, batch", [("k3-tiny", 1), ("k3-tiny", 4), ("kl", 4)])
+def test_emitted_tables_complete_with_any_ring(name, batch):
+    table = emitted(name, batch)[2].table
+    streamed = sum(fill_plan(v.op, v.params) is not None for v in table.variants)
+    assert streamed > 0
+    for slots, records in ((13, 16), (2, 2), (1, 1)):
+        table.check_deadlock_free(ring=RingModel(slots, records, 8))
+    for seed in range(5):  # random interleavings of every CTA's producer and consumers, small rings
+        check_ring(table, RingModel(2, 2, 8), random.Random(seed))
+
+
+def table_of(lists, variants=(GEMV, EXPERT, ROUTER), events=2) -> TaskTable:
+    weights = [WeightSpec("w", "bfloat16", (256, 64)), WeightSpec("w13", "bfloat16", (4, 64, 64))]
+    return TaskTable(list(variants), lists, [Event(f"e{i}") for i in range(events)], weights=weights, arena_bytes=4096)
+
+
+def test_a_producer_that_waits_behind_its_own_consumers_is_refused():
+    """CTA 0 runs a routed expert whose router comes later in the same list: the expert's producer waits
+    for the router's ids, so it never forwards the router's record, and the consumers (who need that
+    record) never run the router."""
+    gemv = Task(0, {"weight": 0, "row_count": 64}, (), 1, "gemv")
+    expert = Task(1, {"weight": 1, "weight_up": 1, "row_count": 64}, (0,), None, "expert")
+    router = Task(2, {}, (1,), 0, "router")
+    table = table_of([[gemv, expert, router]])
+    with pytest.raises(TaskTableError, match=r"(?s)deadlock in the streaming loop.*CTA 0: producer at task 1 \(expert; waits on "
+                                              r"event 0 \(e0: 0/1\)\); consumers at task 1"):  # fmt: skip
+        table.check_deadlock_free(ring=RingModel(4, 4, 8))
+
+
+def test_the_same_tasks_in_a_sound_order_complete():
+    gemv = Task(0, {"weight": 0, "row_count": 64}, (), 1, "gemv")
+    router = Task(2, {}, (1,), 0, "router")
+    expert = Task(1, {"weight": 1, "weight_up": 1, "row_count": 64}, (0,), None, "expert")
+    table_of([[gemv, router, expert]]).check_deadlock_free(ring=RingModel(1, 1, 8))
+
+
+def test_a_ring_of_one_slot_streams_a_task_larger_than_the_ring():
+    """A gemv of 256 rows is many fills; with one slot the producer and consumers alternate fill by fill."""
+    plan = fill_plan("gemv", GEMV.params)
+    assert plan.task_fills(256) > 1
+    a = Task(0, {"weight": 0, "row_count": 256}, (), 0, "a")
+    b = Task(0, {"weight": 0, "row_count": 256}, (0,), 1, "b")
+    c = Task(3, {}, (1,), None, "c")
+    table_of([[a], [b], [c]], (GEMV, EXPERT, ROUTER, OpVariant("nop", NopParams()))).check_deadlock_free(ring=RingModel(1, 1, 8))
