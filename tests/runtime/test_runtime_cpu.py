@@ -32,6 +32,7 @@ def test_runtime_imports_no_compiler_package():
         import k3mk.runtime
         from k3mk.runtime import Megakernel, WatchdogError, load_manifest
         import k3mk.runtime.profile
+        import k3mk.runtime.engine_contract
         loaded = [m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in BLOCKED)]
         assert not loaded, loaded
         print("ok")
