@@ -2,7 +2,7 @@
 workers): ONE artifact compiled for `--tp N`, each process one rank with its own shard of the weights
 (docs/megakernel.md "Tensor parallelism"; the host protocol: runtime/tp_group.py).
 
-    group = TPGroup(cpu_process_group, deadline_s)          # group rank = TP rank
+    group = TPGroup(cpu_process_group, deadline_s, setup_deadline_s)   # group rank = TP rank
     rank = TPRank(artifact_dir, my_weights, group, rank=group.rank, device=torch.cuda.current_device())
     next_tokens, logits = rank.step(token_ids, positions)   # every rank, the same inputs: whole results
     rank.launch(token_ids, positions); rank.wait()         # or: the launch alone (capturable), then the deadline

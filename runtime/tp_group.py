@@ -2,7 +2,8 @@
 has a deadline, and every failure is agreed, so that all ranks fail together with one message that
 names the rank (SERVING.md: "refusals agreed across ranks"; nothing waits forever).
 
-    group = TPGroup(process_group, deadline_s=60)   # a CPU (gloo) torch.distributed group, group rank = TP rank
+    group = TPGroup(process_group, 60, 900)          # a CPU (gloo) torch.distributed group (group rank = TP rank),
+                                                    # the deadlines of a step and of the setup (below)
     payloads = group.exchange("what", data)         # bytes from every rank, in rank order
     with group.local("loading the artifact"):       # this rank's own work between two exchanges:
         ...                                         #   an exception here fails EVERY rank (below)
@@ -16,7 +17,8 @@ that have none (`k3mk generate --tp N`, tests).
 Deadlines: `deadline_s` bounds a wait for this rank's kernel (`wait_until`); an exchange waits up to twice
 that for each peer, since a peer may be in such a wait until its own deadline runs out before it answers;
 the setup exchange waits `setup_deadline_s`, since the ranks arrive after loading their weights, which may
-take minutes and differs between ranks.
+take minutes and differs between ranks. The caller chooses both (an engine has its own: SGLang's
+BuildContext.deadline_s).
 
 Failure protocol: a rank that fails (its own error, or its kernel not finishing a step within the
 deadline) sends its failure IN PLACE of its next message. Every rank, on receiving the messages of an
@@ -40,8 +42,6 @@ from typing import Callable, NoReturn
 import torch
 import torch.distributed as dist
 
-DEFAULT_DEADLINE_S = 60.0
-DEFAULT_SETUP_DEADLINE_S = 900.0
 POLL_S = 50e-6  # the host's poll interval while it waits for a kernel
 OK, FAILED = 0, 1  # a message's status
 
@@ -65,7 +65,7 @@ class TPGroup:
     """Deadline-bound exchanges between the ranks of `process_group` (module docstring); None: a group
     of one process (tensor parallel degree 1), where an exchange returns this rank's own data."""
 
-    def __init__(self, process_group=None, deadline_s: float = DEFAULT_DEADLINE_S, setup_deadline_s: float = DEFAULT_SETUP_DEADLINE_S):
+    def __init__(self, process_group, deadline_s: float, setup_deadline_s: float):
         self.process_group = process_group
         self.rank = process_group.rank() if process_group is not None else 0
         self.size = process_group.size() if process_group is not None else 1
@@ -176,7 +176,7 @@ class TPGroup:
         return f"unreachable ({text.splitlines()[0][:200]})"
 
 
-def init_group(rank: int, size: int, address: str, port: int, deadline_s: float = DEFAULT_DEADLINE_S):
+def init_group(rank: int, size: int, address: str, port: int, deadline_s: float):
     """A gloo process group of `size` processes that meet at a TCP store on address:port (hosted by rank
     0), for launchers without a group of their own. Every rank that arrives fails within the deadline
     naming the ranks that did not."""

@@ -138,7 +138,7 @@ def test_a_rank_that_never_arrives_at_the_rendezvous_is_named(absent):
 
     def rank_thread(rank: int) -> None:
         try:
-            out[rank] = TPGroup(init_group(rank, 3, "127.0.0.1", port, DEADLINE_S)).exchange("hello", bytes([rank]))
+            out[rank] = TPGroup(init_group(rank, 3, "127.0.0.1", port, DEADLINE_S), DEADLINE_S, DEADLINE_S).exchange("hello", bytes([rank]))
         except Exception as e:  # noqa: BLE001
             out[rank] = e
 
@@ -158,7 +158,7 @@ def test_the_rendezvous_then_every_exchange_works():
     payloads = {r: os.urandom(100 + r) for r in range(3)}
 
     def rank_thread(rank: int) -> None:
-        group = TPGroup(init_group(rank, 3, "127.0.0.1", port, DEADLINE_S))
+        group = TPGroup(init_group(rank, 3, "127.0.0.1", port, DEADLINE_S), DEADLINE_S, DEADLINE_S)
         out[rank] = group.exchange("hello", payloads[rank]), group.broadcast_json("inputs", {"tokens": [rank, 7]})
 
     threads = [threading.Thread(target=rank_thread, args=(r,)) for r in range(3)]
@@ -199,7 +199,7 @@ def test_outputs_are_assembled_from_every_rank_and_must_agree():
 
 
 def test_a_group_of_one_lets_local_errors_through():
-    group = TPGroup(None)
+    group = TPGroup(None, DEADLINE_S, DEADLINE_S)
     assert group.exchange("x", b"abc") == [b"abc"]
     with pytest.raises(KeyError, match="mine"):
         with group.local("loading"):
@@ -210,7 +210,7 @@ RANK_SCRIPT = textwrap.dedent("""
     import os, sys, time
     from k3mk.runtime.tp_group import TPGroup, TPGroupError, init_group
     rank, port = int(sys.argv[1]), int(sys.argv[2])
-    group = TPGroup(init_group(rank, 3, "127.0.0.1", port, 20.0), deadline_s=20.0)
+    group = TPGroup(init_group(rank, 3, "127.0.0.1", port, 20.0), 20.0, 20.0)
     group.barrier("joined")
     if rank == 2:
         os._exit(3)  # dies between two exchanges
