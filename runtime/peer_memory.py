@@ -95,7 +95,7 @@ class CudaIpcMemory(PeerMemory):
             check_peer_path(self.device_index, peer_index)
             ipc = driver.CUipcMemHandle()
             ctypes.memmove(int(ipc.getPtr()), handle, IPC_HANDLE_BYTES)
-            address = int(check(driver.cuIpcOpenMemHandle(ipc, driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)))
+            address = int(check(driver.cuIpcOpenMemHandle(ipc, int(driver.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))))
         self._opened.append(address)
         return address
 
