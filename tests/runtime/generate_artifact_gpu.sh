@@ -13,6 +13,7 @@
 set -u
 OUT=${OUT:-/tmp/generate_artifact_gpu}
 mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,compute_mode --format=csv,noheader >"$OUT/gpu.txt" 2>&1  # Exclusive_Process would refuse the second process
 A=artifacts_dev
 K3MK=(python -m k3mk.compiler.cli)
 
@@ -33,5 +34,4 @@ run proxy_tp1 900 "${K3MK[@]}" generate --artifact $A/model_k3-proxy-16l_b1_ctx1
 run ipc_one_gpu 300 python -m pytest -m gpu -q -s tests/runtime/test_tp_ipc_gpu.py
 run tiny_tp2_one_gpu 600 "${K3MK[@]}" generate --artifact $A/model_k3-tiny_b1_tp2 --random-weights 0 --prompt 17,4095,1234 --steps 16 --check \
   --gpus 0,0 --deadline 60 --setup-deadline 300
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$OUT/gpu.txt" 2>&1
 cat "$OUT/status.txt"
