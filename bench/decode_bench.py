@@ -11,7 +11,7 @@ baseline against the reference for CHECK_STEPS teacher-forced steps on a CHECK_C
 Per (batch, context): the megakernel from the artifact of that model and batch with the SMALLEST max
 context >= the context (so an 8192 artifact may serve context 1024: the row says which); both decode
 states filled with the same random values (never zeros); CHECK_STEPS eager steps comparing the
-megakernel's tokens with the baseline's where the baseline's top-1 / top-2 logit gap >= NEAR_TIE; then
+megakernel's tokens with the baseline's where the baseline's top-1 / top-2 logit gap is clear (clear_mask); then
 each step captured in a CUDA graph (the next tokens fed back inside the graph; every request at position
 context - 1, so it attends to `context` cache rows) and the two graphs replayed interleaved, one CUDA
 event pair around each replay: median and p90 per step.
@@ -42,13 +42,13 @@ from pathlib import Path
 
 import torch
 
+from k3mk.compiler.generate import clear_mask, top2_gap
+
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("kimi-linear-48b-a3b", "k3-proxy-16l", "k3-proxy-16l-bf16")
 BATCHES = (1, 2, 4, 8)
 CONTEXTS = (1024, 8192, 32768)
 SEED = 0
-NEAR_TIE = 0.05  # top-1 minus top-2 logit: below it a bf16 rounding may pick either token
-NEAR_TIE_ULPS = 2  # ... and so within 2 bf16 ULPs at the top logit (clear_mask)
 CHECK_STEPS = 3
 CHECK_CONTEXT = 64  # rows of the reference check's cache: its naive MLA up-projects every row each step
 ROUTED_SAMPLES = 8  # baseline replays whose router ids give the distinct-expert count
@@ -127,21 +127,6 @@ def fill_random_(states: dict[str, torch.Tensor], gen: torch.Generator) -> None:
     enough that the delta rule keeps it bounded."""
     for name, t in states.items():
         t.normal_(0.0, 0.1 if name.endswith("recurrent_state") else 1.0, generator=gen)
-
-
-def top2_gap(logits: torch.Tensor) -> torch.Tensor:
-    top = logits.float().topk(2, dim=-1).values
-    return top[:, 0] - top[:, 1]
-
-
-def clear_mask(ref_logits: torch.Tensor) -> torch.Tensor:
-    """Per request: is the reference's top-1 / top-2 gap clear? Above NEAR_TIE AND above NEAR_TIE_ULPS bf16
-    ULPs at the top logit: two bf16 computations may each round the two candidates one ULP apart, and on
-    the H200 both observed full-size flips at 'clear' gaps were exactly that (docs/megakernel.md)."""
-    top = ref_logits.float().topk(2, dim=-1).values
-    ulp = torch.exp2(torch.floor(torch.log2(top[:, 0].abs())) - 7)
-    gap = top[:, 0] - top[:, 1]
-    return (gap >= NEAR_TIE) & (gap > NEAR_TIE_ULPS * ulp)
 
 
 def compare_tokens(tokens: torch.Tensor, ref_logits: torch.Tensor, record: dict) -> None:

@@ -31,7 +31,7 @@ HALF = 32  # teacher-forced steps at each end of the context
 
 
 def main(art: str, out: str | None) -> None:
-    from k3mk.bench.decode_bench import clear_mask
+    from k3mk.compiler.generate import clear_mask
     from k3mk.compiler.config import load_config
     from k3mk.compiler.generate import build_decode_step
     from k3mk.compiler.ops import k3mk

@@ -54,6 +54,7 @@ negative input, also one that rounds to zero (code 8, "-0"), but not for -0.0 it
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -64,7 +65,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -73,6 +74,7 @@ from torch import Tensor
 
 from k3mk.compiler.config import PRESETS, ModelConfig, parse_config
 from k3mk.compiler.weights import TensorSpec, weight_specs
+from k3mk.ir.collectives import ShardSpec
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -255,8 +257,10 @@ def _check_names(
     return chosen
 
 
-def _read(handle, path: Path, name: str, spec: TensorSpec, dtype: torch.dtype, device) -> Tensor:
-    """One stored tensor, checked against `spec`, converted to its canonical layout and dtype."""
+def _read(handle, path: Path, name: str, spec: TensorSpec, dtype: torch.dtype, device, piece: tuple[ShardSpec, int] | None = None) -> Tensor:
+    """One stored tensor, checked against `spec`, converted to its canonical layout and dtype. `piece`
+    (shard, rank) with the shard's dim in the STORED tensor: only that rank's piece, and for a tensor in
+    the canonical layout only its bytes are read (safetensors slices)."""
     try:
         view = handle.get_slice(name)
         shape, stored = tuple(view.get_shape()), view.get_dtype()
@@ -270,18 +274,47 @@ def _read(handle, path: Path, name: str, spec: TensorSpec, dtype: torch.dtype, d
     if shape not in layouts:
         expected = " or ".join(_fmt(s) for s in layouts)
         raise CheckpointError(f"{path}: tensor '{name}': expected shape {expected}, found {_fmt(shape)}")
+    canonical = shape == _canonical_stored_shape(spec)
     try:
-        t = handle.get_tensor(name)
+        if piece is not None and canonical:
+            shard, rank = piece
+            lead = (slice(None),) * shard.dim
+            t = torch.cat([view[lead + (slice(start, stop),)] for start, stop in shard.ranges(shape[shard.dim], rank)], dim=shard.dim)
+        else:
+            t = handle.get_tensor(name)
     except SafetensorError as e:
         raise CheckpointError(f"{path}: tensor '{name}' cannot be read (truncated or corrupt file?): {e}") from None
-    return layouts[shape](t.to(device)).to(dtype)
+    t = layouts[shape](t.to(device))
+    if piece is not None and not canonical:  # another accepted layout (A_log's, a few bytes): read whole, then cut
+        t = piece[0].take(t, piece[1])
+    return t.to(dtype)
+
+
+def _shard(spec: TensorSpec, shards: Mapping[str, Mapping[str, int]] | None) -> ShardSpec | None:
+    """The tensor-parallel split of canonical weight `spec` under `shards` (an artifact manifest's
+    `tp_shards`: {name: {dim, parts, groups}}), checked against its shape; None: whole."""
+    if not shards or spec.name not in shards:
+        return None
+    shard = ShardSpec(shards[spec.name]["dim"], shards[spec.name]["parts"], shards[spec.name].get("groups", 1))
+    stacked = ".experts." in spec.name
+    if shard.dim >= len(spec.shape) or (stacked and shard.dim == 0) or spec.shape[shard.dim] % (shard.parts * shard.groups):
+        raise CheckpointError(f"tensor '{spec.name}' {_fmt(spec.shape)} cannot be split as {shard.text()} (routed experts split within each expert)")
+    return shard
 
 
 def load_checkpoint(
-    config: ModelConfig, directory: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    config: ModelConfig,
+    directory: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    *,
+    shards: Mapping[str, Mapping[str, int]] | None = None,
+    rank: int = 0,
 ) -> dict[str, Tensor]:
     """Every weight of `config` from a checkpoint directory, under canonical names (weights.py):
-    floating weights in `dtype` (the "float32" kind in float32), MXFP4 bytes as uint8, on `device`."""
+    floating weights in `dtype` (the "float32" kind in float32), MXFP4 bytes as uint8, on `device`.
+    With `shards` (a tensor-parallel artifact's `tp_shards`), each weight named there is rank `rank`'s
+    piece, and only its bytes are read from the files."""
     directory = Path(directory)
     files = _tensor_files(directory)
     specs = weight_specs(config)
@@ -291,21 +324,24 @@ def load_checkpoint(
     with ExitStack() as stack:
         handles: dict[Path, Any] = {}
 
-        def read(name: str, spec: TensorSpec, target: torch.dtype) -> Tensor:
+        def read(name: str, spec: TensorSpec, target: torch.dtype, piece) -> Tensor:
             path = files[name]
             if path not in handles:
                 handles[path] = _open(path, stack)
-            return _read(handles[path], path, name, spec, target, device)
+            return _read(handles[path], path, name, spec, target, device, piece)
 
         for spec in specs:
             target = spec.torch_dtype(dtype)
-            stored = plan[spec.name]
+            stored, shard = plan[spec.name], _shard(spec, shards)
             if stored[0].expert is None:
-                out[spec.name] = read(chosen[spec.name][0], spec, target)
+                out[spec.name] = read(chosen[spec.name][0], spec, target, shard and (shard, rank))
                 continue
-            stacked = torch.empty(spec.shape, dtype=target, device=device)  # filled expert by expert: ~1x peak memory
+            # filled expert by expert (~1x peak memory); each stored expert lacks the stacked dim 0
+            shape = shard.local_shape(spec.shape) if shard else spec.shape
+            stacked = torch.empty(shape, dtype=target, device=device)
+            piece = shard and (dataclasses.replace(shard, dim=shard.dim - 1), rank)
             for s, name in zip(stored, chosen[spec.name]):
-                stacked[s.expert] = read(name, spec, target)
+                stacked[s.expert] = read(name, spec, target, piece)
             out[spec.name] = stacked
     return out
 

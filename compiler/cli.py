@@ -24,6 +24,9 @@ from k3mk import __version__
 from k3mk.compiler.config import PRESETS, ConfigError, ModelConfig, load_config
 
 EXIT_USAGE = 2  # argparse's status for usage errors; every reported error uses it
+EXIT_CHECK = 1  # generate --check: the megakernel's tokens differ from the reference's
+DEFAULT_DEADLINE_S = 60.0  # generate --artifact: a decode step of the group
+DEFAULT_SETUP_DEADLINE_S = 900.0  # ... the ranks waiting for each other after loading their weights
 
 
 class UsageError(Exception):
@@ -115,33 +118,61 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, found {text}")
+    return value
+
+
+def _gpus(text: str) -> list[int]:
+    """--gpus' value: comma-separated GPU indices."""
+    entries = text.split(",")
+    if not all(re.fullmatch(r"[0-9]+", e.strip()) for e in entries):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of GPU indices (expected e.g. 0,1)")
+    return [int(e) for e in entries]
+
+
 def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "generate",
-        help="greedy generation with the reference decode step",
+        help="greedy generation with the reference decode step or a compiled artifact",
         description=(
-            "Load a checkpoint into the reference decode step (PyTorch, the compiler's numerics oracle), feed the "
-            "prompt one token per decode step, then generate STEPS tokens greedily. Prints the generated token ids "
+            "Feed the prompt one token per decode step, then generate STEPS tokens greedily. Prints the generated token ids "
             "(not the prompt), comma separated, on one line of stdout; progress goes to stderr. The decode state "
-            "holds len(prompt) + STEPS tokens of context."
+            "holds len(prompt) + STEPS tokens of context.\n\n"
+            "Without --artifact the reference decode step runs (PyTorch, the compiler's numerics oracle). With --artifact "
+            "DIR the compiled megakernel of DIR runs on the GPU in bfloat16, one process per GPU for a tensor-parallel "
+            "artifact (its tp ranks, started here, or one rank per process under torchrun); with --check the reference "
+            "decode step also runs on rank 0's GPU and every step's token is compared with it (the reference's token is fed "
+            "to both, so a near tie does not make the later steps incomparable): exit status 1 if a token differs at a "
+            "step whose reference top-1 / top-2 gap is clear."
         ),
         epilog=(
-            "example:\n\n"
+            "examples:\n\n"
             "  k3mk random-checkpoint --model k3-tiny --out /tmp/k3-tiny-random\n"
-            "  k3mk generate --model k3-tiny --checkpoint /tmp/k3-tiny-random --prompt 1,2,3 --steps 8"
+            "  k3mk generate --model k3-tiny --checkpoint /tmp/k3-tiny-random --prompt 1,2,3 --steps 8\n"
+            "  k3mk compile --model k3-tiny --tp 2 --max-context 128 --out /tmp/k3-tiny-tp2\n"
+            "  k3mk generate --artifact /tmp/k3-tiny-tp2 --checkpoint /tmp/k3-tiny-random --prompt 1,2,3 --steps 8 --check"
         ),
         formatter_class=_Formatter,
     )
-    p.add_argument("--model", required=True, metavar="MODEL", help=_MODEL_HELP)
-    p.add_argument("--checkpoint", required=True, type=Path, metavar="DIR", help="checkpoint directory (safetensors files) for MODEL")
+    p.add_argument("--model", metavar="MODEL", help=_MODEL_HELP + " (with --artifact: default, the artifact's model)")
+    weights = p.add_mutually_exclusive_group(required=True)
+    weights.add_argument("--checkpoint", type=Path, metavar="DIR", help="checkpoint directory (safetensors files) for MODEL")
+    weights.add_argument("--random-weights", type=int, metavar="SEED",
+                         help="seeded random weights (those `k3mk random-checkpoint --seed SEED` writes), made on the device")  # fmt: skip
     p.add_argument("--prompt", required=True, type=_token_ids, metavar="IDS", help="prompt token ids, comma separated, e.g. 1,2,3")
     p.add_argument("--steps", required=True, type=_positive, metavar="N", help="number of tokens to generate (>= 1)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run (default: cpu)")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="where the reference runs (default: cpu; --artifact: the GPU)")
     p.add_argument(
         "--dtype",
         choices=("float32", "bfloat16"),
-        default="float32",
-        help="model dtype; the spec's fp32 parameters and state stay fp32 either way (default: float32)",
+        help="the reference's dtype; the spec's fp32 parameters and state stay fp32 either way (default: float32; "
+        "--artifact: bfloat16, the artifact's)",
     )
     p.add_argument(
         "--threads",
@@ -151,44 +182,197 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
         help="CPU threads for torch (default: 1; the decode step is many small ops, where more threads mostly "
         "spin: on a busy 2-core machine one thread ran a k3-tiny step 10x faster than two)",
     )
+    art = p.add_argument_group("compiled artifacts")
+    art.add_argument("--artifact", type=Path, metavar="DIR", help="run the megakernel of this artifact (k3mk compile --out DIR) instead")
+    art.add_argument("--check", action="store_true", help="also run the reference on rank 0's GPU and compare every step")
+    art.add_argument("--tp", type=_positive, metavar="N", help="processes, one per rank: the artifact's tp (default: the artifact's)")
+    art.add_argument("--gpus", type=_gpus, metavar="LIST",
+                     help="GPU of each rank, e.g. 0,1 (default: 0..N-1); ranks sharing a GPU (0,0) only test the IPC path: "
+                     "their collectives then wait for the GPU to switch processes")  # fmt: skip
+    art.add_argument("--deadline", type=_seconds, default=DEFAULT_DEADLINE_S, metavar="S",
+                     help=f"a step that takes longer fails every rank, naming the rank (default: {DEFAULT_DEADLINE_S:g})")  # fmt: skip
+    art.add_argument("--setup-deadline", type=_seconds, default=DEFAULT_SETUP_DEADLINE_S, metavar="S",
+                     help=f"how long the ranks wait for each other at setup, after loading their weights (default: {DEFAULT_SETUP_DEADLINE_S:g})")  # fmt: skip
     p.set_defaults(run=_run_generate)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    if args.artifact is not None:
+        return _run_generate_artifact(args)
+    given = [f"--{name.replace('_', '-')}" for name in ("check", "tp", "gpus") if getattr(args, name)]
+    if given:
+        raise UsageError(f"{given[0]} applies to a compiled artifact: give --artifact DIR")
+    if args.model is None:
+        raise UsageError("--model is required without --artifact")
     import torch
 
-    from k3mk.compiler.checkpoint import load_checkpoint
     from k3mk.compiler.generate import build_decode_step, greedy_generate
 
     config = load_config(args.model)
-    too_big = [t for t in args.prompt if t >= config.vocab_size]
+    _check_prompt(config, args.prompt)
+    device, dtype_name = args.device or "cpu", args.dtype or "float32"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA GPU is available to torch on this machine")
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, dtype_name)
+    _progress(f"loading {_weight_source(args)} as {config.name} ({dtype_name}, {device}) ...")
+    start = time.monotonic()
+    step = build_decode_step(config, _load_weights(args, config, dtype, device), dtype)
+    _progress(f"loaded in {time.monotonic() - start:.1f} s; running {len(args.prompt) + args.steps - 1} decode steps ...")
+    tokens = greedy_generate(step, args.prompt, args.steps, on_step=_step_progress(_progress))
+    print(",".join(map(str, tokens)))
+    return 0
+
+
+def _check_prompt(config: ModelConfig, prompt: list[int]) -> None:
+    too_big = [t for t in prompt if t >= config.vocab_size]
     if too_big:
         raise UsageError(f"--prompt: token id {too_big[0]} is out of range (the vocabulary of {config.name} has {config.vocab_size} tokens)")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA GPU is available to torch on this machine")
+
+
+def _weight_source(args: argparse.Namespace) -> str:
+    return str(args.checkpoint) if args.checkpoint is not None else f"random weights (seed {args.random_weights})"
+
+
+def _load_weights(args: argparse.Namespace, config: ModelConfig, dtype, device, shards=None, rank: int = 0) -> dict:
+    """--checkpoint or --random-weights; with `shards` (an artifact's tp_shards) rank `rank`'s pieces."""
+    if args.random_weights is not None:
+        from k3mk.compiler.random_weights import random_weights
+
+        return random_weights(config, args.random_weights, dtype, device, shards=shards, rank=rank)
+    from k3mk.compiler.checkpoint import load_checkpoint
+
     checkpoint: Path = args.checkpoint
     if not checkpoint.is_dir():
         raise UsageError(f"--checkpoint {checkpoint}: no such directory")
     _check_checkpoint_config(config, checkpoint)
+    return load_checkpoint(config, checkpoint, dtype=dtype, device=device, shards=shards, rank=rank)
 
-    torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
-    _progress(f"loading {checkpoint} as {config.name} ({args.dtype}, {args.device}) ...")
-    start = time.monotonic()
-    step = build_decode_step(config, load_checkpoint(config, checkpoint, dtype=dtype, device=args.device), dtype)
-    _progress(f"loaded in {time.monotonic() - start:.1f} s; running {len(args.prompt) + args.steps - 1} decode steps ...")
 
-    start, last_report = time.monotonic(), time.monotonic()
+def _step_progress(say: Callable[[str], None]) -> Callable[[int, int], None]:
+    """on_step for the generation loops: a line every few seconds, not per step."""
+    start = last_report = time.monotonic()
 
     def on_step(done: int, total: int) -> None:
         nonlocal last_report
-        if time.monotonic() - last_report > 5 or done == total:  # a line every few seconds, not per step
+        if time.monotonic() - last_report > 5 or done == total:
             last_report = time.monotonic()
-            _progress(f"decode step {done}/{total} ({time.monotonic() - start:.1f} s)")
+            say(f"decode step {done}/{total} ({time.monotonic() - start:.1f} s)")
 
-    tokens = greedy_generate(step, args.prompt, args.steps, on_step=on_step)
-    print(",".join(map(str, tokens)))
-    return 0
+    return on_step
+
+
+def _artifact_config(args: argparse.Namespace, manifest) -> ModelConfig:
+    """--model, or the artifact's own model (a preset); either way the config the artifact was compiled
+    from (its config hash)."""
+    name = args.model or manifest.data.get("model")
+    if name is None:
+        raise UsageError(f"--artifact {args.artifact}: its manifest names no model: give --model")
+    try:
+        config = load_config(name)
+    except ConfigError as e:
+        raise UsageError(f"--artifact {args.artifact} was compiled for model '{name}', which is not a preset ({e}): give --model") from None
+    want = manifest.data.get("config_hash")
+    if want is not None and config.hash() != want:
+        raise UsageError(f"--artifact {args.artifact} was compiled for config hash {want} (model '{manifest.data.get('model')}'), "
+                         f"but --model {name} has hash {config.hash()}")  # fmt: skip
+    return config
+
+
+def _run_generate_artifact(args: argparse.Namespace) -> int:
+    """Check what can be checked here, then run this process's rank (under a launcher, or at tp 1) or
+    start one process per rank (k3mk.compiler.tp_launch)."""
+    import torch
+
+    from k3mk.compiler import tp_launch
+    from k3mk.runtime.manifest import load_manifest
+
+    manifest = load_manifest(args.artifact)
+    config = _artifact_config(args, manifest)
+    _check_prompt(config, args.prompt)
+    tp, context = manifest.data.get("tp", 1), manifest.data.get("max_context", 0)
+    if args.tp is not None and args.tp != tp:
+        raise UsageError(f"--tp {args.tp}: the artifact {args.artifact} is compiled for tp {tp}")
+    if len(args.prompt) + args.steps > context:
+        raise UsageError(f"--prompt and --steps need a context of {len(args.prompt) + args.steps} tokens; the artifact holds {context}")
+    if args.device == "cpu" or args.dtype == "float32":
+        raise UsageError("--artifact runs the megakernel on the GPU in bfloat16: --device cpu / --dtype float32 do not apply")
+    if args.checkpoint is not None:
+        if not args.checkpoint.is_dir():
+            raise UsageError(f"--checkpoint {args.checkpoint}: no such directory")
+        _check_checkpoint_config(config, args.checkpoint)
+    gpus = args.gpus or list(range(tp))
+    if len(gpus) != tp:
+        raise UsageError(f"--gpus {','.join(map(str, gpus))}: {tp} ranks need {tp} GPUs")
+    if not torch.cuda.is_available():
+        raise UsageError("--artifact: the megakernel runs on a CUDA GPU, and torch sees none on this machine")
+    if max(gpus) >= torch.cuda.device_count():
+        raise UsageError(f"--gpus: GPU {max(gpus)} does not exist ({torch.cuda.device_count()} visible)")
+    try:
+        launched = tp_launch.rank_from_env()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if launched is None and tp > 1:
+        if len(set(gpus)) < tp:
+            _progress(f"ranks share GPUs ({','.join(map(str, gpus))}): a test only, every collective waits for the GPU to switch processes")
+        return tp_launch.run_ranks(args.argv, tp, grace_s=args.setup_deadline + 2 * args.deadline, say=_progress)
+    rank, size, address, port = launched or (0, 1, "", 0)
+    if size != tp:
+        raise UsageError(f"launched as rank {rank} of {size} processes, but the artifact {args.artifact} is compiled for tp {tp}")
+    return _generate_on_rank(args, config, manifest, rank, size, address, port, torch.device("cuda", gpus[rank]))
+
+
+def _generate_on_rank(args: argparse.Namespace, config: ModelConfig, manifest, rank: int, size: int, address: str, port: int, device) -> int:
+    """One rank of `k3mk generate --artifact`: its group, its weights, its TPRank; rank 0 prints. A stalled
+    kernel (TPGroupError.gpu_stuck) may still spin on the GPU: the process ends at once, without the
+    teardown that would synchronise with it (the driver reclaims the GPU at exit)."""
+    import os
+
+    import torch
+
+    from k3mk.compiler.generate import build_decode_step, megakernel_generate
+    from k3mk.runtime.tp import TPRank, rank_pieces
+    from k3mk.runtime.tp_group import TPGroup, TPGroupError, init_group
+
+    say = _progress if rank == 0 else (lambda line: None)
+    torch.cuda.set_device(device)
+    try:
+        group = TPGroup(init_group(rank, size, address, port, args.setup_deadline) if size > 1 else None, args.deadline, args.setup_deadline)
+        say(f"loading {_weight_source(args)} as {config.name}, {size} rank{'s' if size > 1 else ''} (one process each) ...")
+        start = time.monotonic()
+        shards, reference = manifest.data.get("tp_shards", {}), None
+        with group.local("loading this rank's weights"):
+            if args.check and rank == 0:  # the reference needs the full weights; the kernel binds its pieces of them
+                full = _load_weights(args, config, torch.bfloat16, device)
+                reference, weights = build_decode_step(config, full, torch.bfloat16), rank_pieces(full, shards, rank)
+            else:
+                weights = _load_weights(args, config, torch.bfloat16, device, shards, rank)
+        model = TPRank(args.artifact, weights, group, rank, device)
+        say(f"loaded in {time.monotonic() - start:.1f} s; running {len(args.prompt) + args.steps - 1} decode steps ...")
+        tokens, check = megakernel_generate(model, args.prompt, args.steps, reference, _step_progress(say))
+        model.close()
+    except TPGroupError as e:
+        print(f"k3mk: rank {rank}: error: {e}", file=sys.stderr, flush=True)
+        if e.gpu_stuck:
+            os._exit(EXIT_USAGE)
+        return EXIT_USAGE
+    if rank != 0:
+        return 0
+    print(",".join(map(str, tokens)), flush=True)
+    return _report_check(check) if check is not None else 0
+
+
+def _report_check(check) -> int:
+    """The --check summary on stderr; EXIT_CHECK if a token differs at a clear step."""
+    near = "; ".join(f"step {s}: {k} vs {r} (gap {g:.3g})" for s, k, r, g in check.differ_near_tie)
+    _progress(f"check against the reference decode step (bfloat16, GPU): {check.steps} steps, {check.near_ties} near ties"
+              f"{' (tokens differ at ' + near + ')' if near else ''}; logits ||d||/||ref|| at most {check.max_logit_rel:.3g}")  # fmt: skip
+    if not check.differ_clear:
+        _progress(f"tokens equal to the reference's at every step with a clear top-1 / top-2 gap ({check.steps - check.near_ties})")
+        return 0
+    listing = "; ".join(f"step {s}: {k} instead of {r} (reference top-1 / top-2 gap {g:.3g})" for s, k, r, g in check.differ_clear)
+    print(f"k3mk: error: the megakernel's token differs from the reference's at {len(check.differ_clear)} clear step(s): {listing}", file=sys.stderr)
+    return EXIT_CHECK
 
 
 def _check_checkpoint_config(config: ModelConfig, checkpoint: Path) -> None:
@@ -320,6 +504,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `k3mk` console script. Returns the exit status: 0, or 2 after an error line."""
     try:
         args = build_parser().parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)  # what a launcher passes on to the processes it starts
         return args.run(args)
     except SystemExit as e:  # --help and --version exit through argparse
         return int(e.code or 0)

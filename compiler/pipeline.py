@@ -180,9 +180,7 @@ def rank_view(graph: Graph, rank: int) -> str:
                 replicated += role == Role.WEIGHT
                 continue
             full = tensor.shape[s.dim] * s.parts
-            block = full // s.groups
-            piece = block // s.parts
-            ranges = ", ".join(f"{g * block + rank * piece}:{g * block + (rank + 1) * piece}" for g in range(s.groups))
+            ranges = ", ".join(f"{start}:{stop}" for start, stop in s.ranges(full, rank))
             lines.append(f"  {role.value} {tensor.name}: dim {s.dim} [{ranges}] of {full}")
     lines.append(f"  ({replicated} weights replicated on every rank)")
     return "\n".join(lines) + "\n"

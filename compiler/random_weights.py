@@ -47,7 +47,7 @@ import hashlib
 import math
 import re
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch import Tensor
@@ -55,6 +55,7 @@ from torch import Tensor
 from k3mk.compiler.checkpoint import quantize_mxfp4, save_checkpoint
 from k3mk.compiler.config import ModelConfig
 from k3mk.compiler.weights import TensorSpec, weight_specs
+from k3mk.ir.collectives import ShardSpec
 
 OUTPUT_SCALE = 0.5
 NORM_GAIN_STD = 0.1
@@ -170,21 +171,35 @@ class _Draw:
 
 
 def random_weights(
-    config: ModelConfig, seed: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    config: ModelConfig,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    *,
+    shards: Mapping[str, Mapping[str, int]] | None = None,
+    rank: int = 0,
 ) -> dict[str, Tensor]:
     """Every weight of `config` under canonical names: floating weights in `dtype` (the "float32" kind
     in float32) with bf16-exact values, MXFP4 experts quantized from random float weights (module
-    docstring for the scales and the routing structure)."""
+    docstring for the scales and the routing structure). With `shards` (a tensor-parallel artifact's
+    `tp_shards`), each weight named there is rank `rank`'s piece, cut as soon as it is drawn (so a rank
+    holds its pieces and one full tensor at a time)."""
     draw = _Draw(config, seed, device)
     out: dict[str, Tensor] = {}
+
+    def keep(name: str, t: Tensor) -> None:
+        shard = (shards or {}).get(name)
+        out[name] = ShardSpec(shard["dim"], shard["parts"], shard.get("groups", 1)).take(t, rank) if shard else t
+
     for spec in weight_specs(config):
         if spec.name in out:  # the scale half of an MXFP4 pair, made with its bytes
             continue
         if spec.name.endswith(".weight_packed"):
             base = spec.name.removesuffix(".weight_packed")
-            out[spec.name], out[f"{base}.weight_scale"] = draw.mxfp4_experts(f"{base}.weight", spec.shape)
+            for name, t in zip((spec.name, f"{base}.weight_scale"), draw.mxfp4_experts(f"{base}.weight", spec.shape)):
+                keep(name, t)
             continue
-        out[spec.name] = draw.tensor(spec).to(torch.bfloat16).to(spec.torch_dtype(dtype))
+        keep(spec.name, draw.tensor(spec).to(torch.bfloat16).to(spec.torch_dtype(dtype)))
     return out
 
 

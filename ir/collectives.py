@@ -40,6 +40,12 @@ class ShardSpec:
             raise ValueError(f"{where}: dimension {self.dim} of size {size} does not split into {self.groups} x {self.parts} equal pieces")
         return full[: self.dim] + (size // self.parts,) + full[self.dim + 1 :]
 
+    def ranges(self, size: int, rank: int) -> list[tuple[int, int]]:
+        """The [start, stop) ranges of the full dimension (of `size`) that rank `rank` holds, in order."""
+        block = size // self.groups
+        piece = block // self.parts
+        return [(g * block + rank * piece, g * block + (rank + 1) * piece) for g in range(self.groups)]
+
     def take(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank `rank`'s piece of the full tensor (what the loader binds on that rank)."""
         blocks = full.chunk(self.groups, dim=self.dim)

@@ -9,6 +9,7 @@ cuda-bindings, weight binding, decode state. Imports neither CuTe DSL nor the co
 from k3mk.runtime.manifest import ArtifactError, load_manifest
 from k3mk.runtime.megakernel import Megakernel, WatchdogError
 from k3mk.runtime.model import DecodeModel
-from k3mk.runtime.tp import TPDecodeModel
+from k3mk.runtime.tp import TPRank
+from k3mk.runtime.tp_group import TPGroup, TPGroupError
 
-__all__ = ["ArtifactError", "DecodeModel", "Megakernel", "TPDecodeModel", "WatchdogError", "load_manifest"]
+__all__ = ["ArtifactError", "DecodeModel", "Megakernel", "TPGroup", "TPGroupError", "TPRank", "WatchdogError", "load_manifest"]

@@ -23,13 +23,33 @@ def check(result):
     return rest[0] if len(rest) == 1 else tuple(rest)
 
 
+@contextlib.contextmanager
+def current_context(context):
+    """`context` current for the block, the caller's restored after it: work on another GPU (a module of
+    another device, a peer's comm region) must not move torch's current device. A thread with no current
+    context keeps this one (unbinding it would leave later driver calls with none)."""
+    caller = check(driver.cuCtxGetCurrent())
+    check(driver.cuCtxSetCurrent(context))
+    try:
+        yield
+    finally:
+        if int(caller) != 0:
+            check(driver.cuCtxSetCurrent(caller))
+
+
+def primary_context(device_index: int):
+    """(device, primary context) of a GPU, retained (the context torch uses): release it with
+    cuDevicePrimaryCtxRelease(device)."""
+    check(driver.cuInit(0))
+    device = check(driver.cuDeviceGet(device_index))
+    return device, check(driver.cuDevicePrimaryCtxRetain(device))
+
+
 class Module:
     """A cubin loaded into the device's primary context (the one torch uses)."""
 
     def __init__(self, cubin: bytes, kernel_name: str, device_index: int, dynamic_smem: int):
-        check(driver.cuInit(0))
-        self.device = check(driver.cuDeviceGet(device_index))
-        self.context = check(driver.cuDevicePrimaryCtxRetain(self.device))
+        self.device, self.context = primary_context(device_index)
         self._cubin = cubin  # keep alive while loading
         with self.current():
             self.module = check(driver.cuModuleLoadData(cubin))
@@ -40,18 +60,9 @@ class Module:
             attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             check(driver.cuFuncSetAttribute(self.function, attr, dynamic_smem))
 
-    @contextlib.contextmanager
     def current(self):
-        """This module's context current for the block, the caller's restored after it: a launch on another
-        GPU (a tensor-parallel rank) must not move torch's current device. A thread with no current context
-        keeps this one (unbinding it would leave later driver calls with none)."""
-        caller = check(driver.cuCtxGetCurrent())
-        check(driver.cuCtxSetCurrent(self.context))
-        try:
-            yield
-        finally:
-            if int(caller) != 0:
-                check(driver.cuCtxSetCurrent(caller))
+        """This module's context current for the block (`current_context`)."""
+        return current_context(self.context)
 
     def max_blocks_per_sm(self, threads: int, dynamic_smem: int) -> int:
         with self.current():
@@ -92,32 +103,16 @@ def launch_cooperative(function, grid: int, threads: int, dynamic_smem: int, str
     check(driver.cuLaunchKernelEx(config, function, params.address, 0))
 
 
-def enable_peer_access(devices: list[int]) -> None:
-    """Let each device's primary context read and write every other's memory (the collectives of a
-    tensor-parallel artifact store into the other ranks' comm regions and add to their counters with
-    system-scope atomics). Already enabled is fine; a pair of devices without a peer path or without
-    native peer atomics (PCIe usually) is an error naming them. The caller's current context (torch's
-    current device) is restored: each device's context is made current only to enable its peers."""
+def check_peer_path(device_index: int, peer_index: int) -> None:
+    """GPU `device_index` can store into GPU `peer_index`'s memory with native atomics (the collectives
+    of a tensor-parallel artifact push into every rank's comm region and add to its counters with
+    system-scope atomics); otherwise an error naming both (PCIe peers usually lack the atomics)."""
+    if peer_index == device_index:
+        return
     check(driver.cuInit(0))
-    caller = check(driver.cuCtxGetCurrent())
-    handles = {d: check(driver.cuDeviceGet(d)) for d in devices}
-    contexts = {d: check(driver.cuDevicePrimaryCtxRetain(handles[d])) for d in devices}
-    try:
-        for d in devices:
-            check(driver.cuCtxSetCurrent(contexts[d]))
-            for peer in devices:
-                if peer == d:
-                    continue
-                if not check(driver.cuDeviceCanAccessPeer(handles[d], handles[peer])):
-                    raise CudaError(f"GPU {d} cannot access GPU {peer}'s memory (no NVLink / PCIe peer path): tensor parallelism needs one")
-                atomics = driver.CUdevice_P2PAttribute.CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED
-                if not check(driver.cuDeviceGetP2PAttribute(atomics, handles[d], handles[peer])):
-                    raise CudaError(f"GPU {d} has no native atomics on GPU {peer}'s memory: the collectives' counters need them (NVLink)")
-                result = driver.cuCtxEnablePeerAccess(contexts[peer], 0)
-                if (result[0] if isinstance(result, tuple) else result) != driver.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:
-                    check(result)
-    finally:
-        if int(caller) != 0:
-            driver.cuCtxSetCurrent(caller)
-        for d in devices:
-            driver.cuDevicePrimaryCtxRelease(handles[d])
+    device, peer = check(driver.cuDeviceGet(device_index)), check(driver.cuDeviceGet(peer_index))
+    if not check(driver.cuDeviceCanAccessPeer(device, peer)):
+        raise CudaError(f"GPU {device_index} cannot access GPU {peer_index}'s memory (no NVLink / PCIe peer path): tensor parallelism needs one")
+    atomics = driver.CUdevice_P2PAttribute.CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED
+    if not check(driver.cuDeviceGetP2PAttribute(atomics, device, peer)):
+        raise CudaError(f"GPU {device_index} has no native atomics on GPU {peer_index}'s memory: the collectives' counters need them (NVLink)")

@@ -137,7 +137,7 @@ class Megakernel:
 
     def bind_comm(self, regions: list[int]) -> None:
         """Tensor-parallel artifacts: the device address of every rank's comm region, in rank order, as
-        this device sees it (peer-mapped; k3mk.runtime.tp binds them)."""
+        this process addresses it (peer-mapped; k3mk.runtime.tp binds them)."""
         if self.comm is None or len(regions) != self.comm["ranks"]:
             raise ValueError(f"this artifact takes {self.comm['ranks'] if self.comm else 'no'} comm regions, got {len(regions)}")
         pointers = self.weight_table.cpu()
@@ -148,7 +148,7 @@ class Megakernel:
     def missing_weights(self) -> list[str]:
         return [name for name, _, _ in self.weight_specs if name not in self._weights] + [
             name for name, _, _ in self.state_specs if name not in self._states
-        ] + ([] if self._comm_bound else ["the comm regions of a tensor-parallel artifact: run it with k3mk.runtime.tp.TPDecodeModel"])
+        ] + ([] if self._comm_bound else ["the comm regions of a tensor-parallel artifact: run it with k3mk.runtime.tp.TPRank"])
 
     def buffer(self, name: str) -> torch.Tensor:
         """A view of a named arena region, with its dtype and shape."""

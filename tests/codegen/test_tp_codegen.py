@@ -1,11 +1,15 @@
 """The tensor-parallel op kinds compile for sm_90a on this GPU-less machine (release and debug builds,
-the system-scope protocol in the PTX), and the WHOLE kimi-k3 decode step at TP 8 builds to one sm_90a
-cubin (issue #5: "the generated source for kimi-k3 at TP 8 (sm_90a) compiles to cubins")."""
+the system-scope protocol in the PTX), the WHOLE kimi-k3 decode step at TP 8 builds to one sm_90a
+cubin (issue #5: "the generated source for kimi-k3 at TP 8 (sm_90a) compiles to cubins"), and at TP 16
+to one sm_100a cubin whose manifest gives every rank its piece of every weight or all of it by design
+(issue #17)."""
 
 from __future__ import annotations
 
 import json
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -82,3 +86,44 @@ def test_kimi_k3_tp8_artifact(tmp_path, arch):
     assert f".target {arch}" in ptx and "atom.global.sys.release.add.u64" in ptx and "ld.acquire.sys.global.b64" in ptx
     assert m["num_ctas"] == {"sm_90a": 132, "sm_100a": 148}[arch] and m["block_threads"] == 288
     print(f"kimi-k3 TP8 {arch} artifact: {time.perf_counter() - start:.0f} s, compile {m['compile']}")
+
+
+@pytest.mark.slow
+def test_kimi_k3_tp16_artifact_for_blackwell(tmp_path, capsys):
+    """`k3mk compile --model kimi-k3 --tp 16 --arch sm_100a --out DIR`: ONE sm_100a cubin for the 16 ranks of
+    an NVL72 group, and a manifest whose shard plan covers every checkpoint weight exactly once per rank
+    group (16 disjoint equal pieces that tile it) or replicates it by design (the list of
+    tests/passes/test_tp_shard.py); the states and the logits are split the same way. ~140 s uncached on
+    2 loaded cores (pipeline ~60 s, CuTe DSL compile ~70 s); the cubin is cached by source."""
+    from k3mk.compiler.cli import main
+    from k3mk.compiler.config import load_config
+    from k3mk.compiler.weights import weight_specs
+    from k3mk.ir.collectives import ShardSpec
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "passes"))
+    from test_tp_shard import K3_REPLICATED, layer_pattern
+
+    out = tmp_path / "k3-tp16-sm100a"
+    assert main(["compile", "--model", "kimi-k3", "--tp", "16", "--arch", "sm_100a", "--out", str(out)]) == 0, capsys.readouterr().err
+    m = json.loads((out / "manifest.json").read_text())
+    assert (m["tp"], m["arch"], m["comm"]["ranks"], m["kernel_name"]) == (16, "sm_100a", 16, "k3mk_megakernel_0")
+    assert (out / m["files"]["cubin"]).read_bytes()[:4] == b"\x7fELF"
+    full = {spec.name: spec.shape for spec in weight_specs(load_config("kimi-k3"))}
+    assert {w["name"] for w in m["weights"]} == set(full)
+    replicated = set()
+    for w in m["weights"]:
+        shard = m["tp_shards"].get(w["name"])
+        if shard is None:
+            assert tuple(w["shape"]) == full[w["name"]], w["name"]
+            replicated.add(layer_pattern(w["name"]))
+            continue
+        spec = ShardSpec(shard["dim"], shard["parts"], shard["groups"])
+        size = full[w["name"]][spec.dim]
+        assert spec.parts == 16 and tuple(w["shape"]) == spec.local_shape(full[w["name"]]), w["name"]
+        pieces = sorted(r for rank in range(16) for r in spec.ranges(size, rank))
+        assert [start for start, _ in pieces] == [0] + [stop for _, stop in pieces[:-1]] and pieces[-1][1] == size, w["name"]
+    assert replicated == K3_REPLICATED
+    kda_layers = sum(kind == "kda" for kind in load_config("kimi-k3").layer_kinds)
+    states = {n: s for n, s in m["tp_shards"].items() if n.endswith("_state")}
+    assert len(states) == 2 * kda_layers and all(s["parts"] == 16 for s in states.values())
+    assert m["tp_shards"]["logits"] == {"dim": 1, "parts": 16, "groups": 1}

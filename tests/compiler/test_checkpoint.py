@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -281,6 +282,43 @@ def test_a_log_layouts(tmp_path):
         load_checkpoint(config, directory)
 
 
+class _CountingHandle:
+    """A safe_open handle that records which tensors were read whole."""
+
+    def __init__(self, handle, whole: list[str]):
+        self.handle, self.whole = handle, whole
+
+    def __getattr__(self, name):
+        return getattr(self.handle, name)
+
+    def get_tensor(self, name):
+        self.whole.append(name)
+        return self.handle.get_tensor(name)
+
+
+@pytest.mark.parametrize("make,max_shard_bytes", [(k3_small, 5 * 2**30), (kimi_linear_small, 40_000)])
+def test_a_rank_reads_only_its_pieces(make, max_shard_bytes, tmp_path, monkeypatch):
+    """With a TP2 artifact's shard table, each rank loads exactly its pieces of the full weights (the
+    routed experts' within each expert), reading split tensors as slices, never whole (A_log excepted:
+    K3 stores it padded, a layout that is read whole and then cut)."""
+    from k3mk.passes.tp_shard import weight_split
+    from k3mk.runtime.tp import rank_pieces
+
+    config = make()
+    weights = random_weights(config, seed=2)
+    directory = save_checkpoint(config, weights, tmp_path / "ckpt", max_shard_bytes=max_shard_bytes, config_json=CONFIG_JSON)
+    shards = {s.name: {"dim": weight_split(s.name), "parts": 2, "groups": 1} for s in weight_specs(config) if weight_split(s.name) is not None}
+    expected = [rank_pieces(load_checkpoint(config, directory, torch.bfloat16), shards, rank) for rank in range(2)]
+    whole: list[str] = []
+    real_open = checkpoint._open
+    monkeypatch.setattr(checkpoint, "_open", lambda path, stack: _CountingHandle(real_open(path, stack), whole))
+    for rank in range(2):
+        whole.clear()
+        assert_same(load_checkpoint(config, directory, torch.bfloat16, shards=shards, rank=rank), expected[rank])
+        canonical = {re.sub(r"\.experts\.\d+\.", ".experts.", n.removeprefix(config.checkpoint_prefix)) for n in whole}
+        assert canonical & set(shards) == {n for n in shards if n.endswith(".A_log")}
+
+
 def test_dense_mlp_under_block_sparse_moe(kl_copy):
     config, weights, directory = kl_copy
 
@@ -389,6 +427,17 @@ def test_random_weights_are_deterministic_per_tensor_and_bf16_exact():
             assert torch.equal(t.to(torch.bfloat16).float(), t), name
     b = random_weights(config, seed=7, dtype=torch.bfloat16)
     assert all(torch.equal(b[n].float(), t.float()) for n, t in a.items())
+
+
+def test_random_weights_of_a_rank_are_its_pieces():
+    from k3mk.passes.tp_shard import weight_split
+    from k3mk.runtime.tp import rank_pieces
+
+    config = k3_small()
+    full = random_weights(config, seed=3, dtype=torch.bfloat16)
+    shards = {n: {"dim": weight_split(n), "parts": 2, "groups": 1} for n in full if weight_split(n) is not None}
+    for rank in range(2):
+        assert_same(random_weights(config, seed=3, dtype=torch.bfloat16, shards=shards, rank=rank), rank_pieces(full, shards, rank))
 
 
 class RoutingLog(TorchDispatchMode):

@@ -1,9 +1,11 @@
 """The `k3mk` command line: help for every subcommand, one-line errors with exit status 2 (never a
-traceback), and random-checkpoint + generate on k3-tiny end to end."""
+traceback), random-checkpoint + generate on k3-tiny end to end, and what `generate --artifact` checks
+and starts without a GPU (tests/runtime/generate_artifact_gpu.sh runs it on one)."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,7 +57,7 @@ def test_help(capsys):
 def test_subcommand_help(capsys, command):
     status, out, _ = run(capsys, command, "--help")
     assert status == 0
-    assert "--model" in out and "example:" in out and f"k3mk {command} --model k3-tiny" in out
+    assert "--model" in out and re.search(r"examples?:", out) and f"k3mk {command} --model k3-tiny" in out
 
 
 def test_version(capsys):
@@ -168,3 +170,78 @@ def test_inspect_artifact(capsys, tmp_path, monkeypatch):
     cubin.write_bytes(bytes(blob))
     assert main(["inspect", str(out)]) == 2
     assert "does not match the hash" in capsys.readouterr().err
+
+
+# --- generate --artifact ----------------------------------------------------------------------------
+
+
+def fake_artifact(directory: Path, **fields) -> Path:
+    """A manifest with what `generate --artifact` reads before it needs a GPU (k3-tiny at TP2)."""
+    from k3mk.compiler.config import load_config
+    from k3mk.runtime import abi
+    from k3mk.runtime.table import FORMAT_VERSION
+
+    data = {"manifest_version": 1, "abi_version": abi.ABI_VERSION, "task_table_format": FORMAT_VERSION, "params": abi.params_json(),
+            "control_words": abi.CONTROL_WORDS, "debug_words_per_cta": abi.DEBUG_WORDS, "model": "k3-tiny",
+            "config_hash": load_config("k3-tiny").hash(), "tp": 2, "max_context": 16, **fields}  # fmt: skip
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "manifest.json").write_text(json.dumps(data))
+    return directory
+
+
+def test_generate_artifact_errors(capsys, tmp_path, checkpoint):
+    art = str(fake_artifact(tmp_path / "art"))
+    args = ["generate", "--artifact", art, "--random-weights", "0", "--prompt", "1,2", "--steps"]
+    assert_error(capsys, *args, "2", "--tp", "4", says=f"--tp 4: the artifact {art} is compiled for tp 2")
+    assert_error(capsys, *args, "15", says="need a context of 17 tokens; the artifact holds 16")
+    assert_error(capsys, *args, "2", "--model", "kimi-linear-tiny", says="was compiled for config hash")
+    assert_error(capsys, *args, "2", "--device", "cpu", says="--device cpu / --dtype float32 do not apply")
+    assert_error(capsys, *args, "2", "--gpus", "0", says="--gpus 0: 2 ranks need 2 GPUs")
+    assert_error(capsys, *args, "2", "--deadline", "0", says="argument --deadline: must be more than 0 seconds")
+    assert_error(capsys, *args[:3], "--checkpoint", str(tmp_path / "absent"), *args[5:], "2", says="no such directory")
+    assert_error(capsys, *args[:3], "--random-weights", "0", "--prompt", "1,4096", "--steps", "1", says="token id 4096 is out of range")
+    fake_artifact(tmp_path / "other", model="my-model")
+    assert_error(capsys, *args[:2], str(tmp_path / "other"), *args[3:], "2", says="compiled for model 'my-model', which is not a preset")
+    reference = ["generate", "--model", "k3-tiny", "--checkpoint", str(checkpoint), "--prompt", "1", "--steps", "1"]
+    assert_error(capsys, *reference, "--check", says="--check applies to a compiled artifact: give --artifact DIR")
+    assert_error(capsys, *reference, "--tp", "2", says="--tp applies to a compiled artifact")
+    assert_error(capsys, "generate", "--random-weights", "1", "--prompt", "1", "--steps", "1", says="--model is required without --artifact")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_generate_artifact_without_gpu(capsys, tmp_path):
+    args = ["generate", "--artifact", str(fake_artifact(tmp_path / "art")), "--random-weights", "0", "--prompt", "1", "--steps", "1"]
+    assert_error(capsys, *args, says="--artifact: the megakernel runs on a CUDA GPU, and torch sees none")
+
+
+def test_generate_with_random_weights_equals_their_checkpoint(capsys, checkpoint):
+    argv = ["generate", "--model", "k3-tiny", "--prompt", "17,4095", "--steps", str(STEPS)]
+    status, from_checkpoint, err = run(capsys, *argv, "--checkpoint", str(checkpoint))
+    assert status == 0, err
+    status, from_seed, err = run(capsys, *argv, "--random-weights", "3")  # the fixture's seed
+    assert status == 0 and from_seed == from_checkpoint, err
+
+
+def test_ranks_are_started_and_their_status_gathered(tmp_path, capfd):
+    from k3mk.compiler import tp_launch
+
+    art = fake_artifact(tmp_path / "art")
+    lines: list[str] = []
+    assert tp_launch.run_ranks(["inspect", str(art)], 2, grace_s=30, say=lines.append) == 0
+    assert capfd.readouterr().out.count(f"artifact {art}") == 2 and lines[0].startswith("started 2 processes")
+    assert tp_launch.run_ranks(["inspect", str(tmp_path / "absent")], 2, grace_s=30, say=lines.append) == 2
+    assert capfd.readouterr().err.count("has no manifest.json") == 2
+
+
+def test_rank_from_env(monkeypatch):
+    from k3mk.compiler import tp_launch
+
+    for name in tp_launch.RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert tp_launch.rank_from_env() is None
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="RANK, MASTER_ADDR, MASTER_PORT not"):
+        tp_launch.rank_from_env()
+    for name, value in (("RANK", "3"), ("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)
+    assert tp_launch.rank_from_env() == (3, 4, "10.0.0.1", 29500)

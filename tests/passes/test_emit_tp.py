@@ -1,9 +1,10 @@
-"""Tensor parallelism in the task table (docs/task_table.md "Tensor parallelism"): k3-tiny and
-kimi-linear-tiny at TP2 lower to the collective op kinds and validate; the decoded table, executed on
-the CPU on both ranks at once from its operand words (ir/table_exec.RankGroup: pushes into every rank's
-comm region, counted, reduced from the rank's own slots), is bit for bit the sharded graph run on
-simulated ranks (ir/ranks.run), states included, over 2 steps; the table's own synchronisation runs in
-the task simulator; bad tables and graphs are refused with errors that name the problem."""
+"""Tensor parallelism in the task table (docs/task_table.md "Tensor parallelism"): k3-tiny at TP2, TP4
+and (widened to 8 heads) TP8, and kimi-linear-tiny at TP2, lower to the collective op kinds and
+validate; the decoded table, executed on the CPU on every rank at once from its operand words
+(ir/table_exec.RankGroup: pushes into every rank's comm region, counted, reduced from the rank's own
+slots), is bit for bit the sharded graph run on simulated ranks (ir/ranks.run), states included, over 2
+steps; the table's own synchronisation runs in the task simulator; bad tables and graphs are refused
+with errors that name the problem."""
 
 from __future__ import annotations
 
@@ -35,8 +36,14 @@ MAX_CONTEXT = 64
 TP_OPS = {"all_reduce", "all_gather", "shard_slice", "argmax_partial", "argmax_combine"}
 
 
+def k3_tiny_8_heads():
+    """k3-tiny with 8 KDA and 8 MLA heads: its own 4 heads do not split 8 ways."""
+    c = config_of("k3-tiny")
+    return c.replace(kda=dataclasses.replace(c.kda, num_heads=8), mla=dataclasses.replace(c.mla, num_heads=8))
+
+
 def emitted(name: str, batch: int, tp: int = 2):
-    config = config_of(name)
+    config = k3_tiny_8_heads() if name == "k3-tiny-8-heads" else config_of(name)
     graph = capture(config, batch, MAX_CONTEXT, BF16)
     target = Target.for_arch(config, tp=tp, max_tokens=batch, max_context=MAX_CONTEXT, dtype=BF16)
     return config, graph, run_pipeline(graph, target, PIPELINE).output
@@ -46,9 +53,10 @@ def ops_of(table: TaskTable) -> Counter:
     return Counter(table.variants[t.opcode].op for ts in table.lists for t in ts)
 
 
-@pytest.mark.parametrize("name,batch", [("k3-tiny", 1), ("k3-tiny", 4), ("kimi-linear-tiny", 4)])
-def test_tp2_table_executes_on_both_ranks_like_the_sharded_graph(name, batch):
-    config, captured, out = emitted(name, batch)
+@pytest.mark.parametrize("name,batch,tp", [("k3-tiny", 1, 2), ("k3-tiny", 4, 2), ("kimi-linear-tiny", 4, 2), ("k3-tiny", 1, 4),
+                                           ("k3-tiny-8-heads", 1, 8)])  # fmt: skip
+def test_tp_table_executes_on_every_rank_like_the_sharded_graph(name, batch, tp):
+    config, captured, out = emitted(name, batch, tp)
     table = TaskTable.decode(out.data)  # what every rank's GPU loads
     assert table == out.table
     table.validate()
@@ -56,8 +64,8 @@ def test_tp2_table_executes_on_both_ranks_like_the_sharded_graph(name, batch):
     collectives = ops["all_reduce"] + ops["all_gather"]
     assert {"all_reduce", "all_gather", "argmax_partial", "argmax_combine"} <= set(ops)
     assert "shard_slice" in ops or name == "kimi-linear-tiny"  # K3's latent MoE slices the normed latent
-    assert table.comm.ranks == 2 and table.comm.events == collectives
-    assert table.comm_pointer == len(table.weights) + len(table.states) and table.num_pointers == table.comm_pointer + 2
+    assert table.comm.ranks == tp and table.comm.events == collectives
+    assert table.comm_pointer == len(table.weights) + len(table.states) and table.num_pointers == table.comm_pointer + tp
     assert table.buffer(TP_RANK).role == "input" and table.buffer(TP_RANK).dtype == "int32"
 
     graph = out.task_graph.graph
@@ -65,7 +73,7 @@ def test_tp2_table_executes_on_both_ranks_like_the_sharded_graph(name, batch):
     gen = torch.Generator().manual_seed(batch)
     state = {t.name: (0.5 * torch.randn(t.shape, generator=gen)).to(t.dtype) for t in captured.by_role(Role.STATE)}
     pieces = [ranks.rank_inputs(graph, {**weights, **state, "token_ids": torch.zeros(batch), "positions": torch.zeros(batch)}, r)
-              for r in range(2)]  # fmt: skip
+              for r in range(tp)]  # fmt: skip
     group = RankGroup(table, [{w.name: p[w.name] for w in table.weights} for p in pieces],
                       [{s.name: p[s.name].clone() for s in table.states} for p in pieces])  # fmt: skip
     tokens = torch.randint(0, config.vocab_size, (batch,), generator=gen)
@@ -83,11 +91,11 @@ def test_tp2_table_executes_on_both_ranks_like_the_sharded_graph(name, batch):
             got = [ex.pointers[table.state_id(name_)] for ex in group.ranks]
             assert torch.equal(spec.assemble(got) if spec else got[0], expected[name_]), name_
             if spec is None:
-                assert torch.equal(got[1], got[0]), name_  # replicated state stays bitwise equal on every rank
+                assert all(torch.equal(g, got[0]) for g in got), name_  # replicated state stays bitwise equal on every rank
             state[name_] = expected[name_]
         tokens = expected["next_tokens"].long()
     events = group.ranks[0].comm[: table.comm.events * 8].view(torch.int64)
-    assert events.tolist() == [2 * 2] * table.comm.events  # every rank pushed every collective task once per step
+    assert events.tolist() == [tp * 2] * table.comm.events  # every rank pushed every collective task once per step
 
 
 def test_tp2_table_synchronisation_runs_in_the_simulator():

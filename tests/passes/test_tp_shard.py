@@ -26,6 +26,27 @@ BATCH, MAX_CONTEXT = 2, 12
 
 CONFIGS = {"k3-tiny": lambda: load_config("k3-tiny"), "kimi-linear-small": lambda: load_config("kimi-linear-tiny")}
 
+# The weights every rank holds whole, by design (passes/tp_shard.py's docstring says why), layers as "*"
+REPLICATED = {
+    "model.embed_tokens.weight", "model.norm.weight",
+    "model.layers.*.input_layernorm.weight", "model.layers.*.post_attention_layernorm.weight",
+    "model.layers.*.self_attn.f_a_proj.weight", "model.layers.*.self_attn.o_norm.weight",
+    "model.layers.*.self_attn.kv_a_proj_with_mqa.weight", "model.layers.*.self_attn.kv_a_layernorm.weight",
+    "model.layers.*.block_sparse_moe.gate.weight", "model.layers.*.block_sparse_moe.gate.e_score_correction_bias",
+}  # fmt: skip
+K3_REPLICATED = REPLICATED | {
+    "model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight",
+    "model.layers.*.self_attention_res_norm.weight", "model.layers.*.self_attention_res_proj.weight",
+    "model.layers.*.mlp_res_norm.weight", "model.layers.*.mlp_res_proj.weight",
+    "model.layers.*.self_attn.q_a_proj.weight", "model.layers.*.self_attn.q_a_layernorm.weight",
+    "model.layers.*.block_sparse_moe.routed_expert_norm.weight",
+}  # fmt: skip
+KIMI_LINEAR_REPLICATED = REPLICATED | {"model.layers.*.self_attn.g_a_proj.weight"}
+
+
+def layer_pattern(name: str) -> str:
+    return re.sub(r"layers\.\d+\.", "layers.*.", name)
+
 
 @functools.cache
 def case(name: str):
@@ -71,30 +92,13 @@ def test_every_weight_is_split_or_replicated_by_design(name):
     for t in sharded.by_role(Role.WEIGHT):
         full = graph.tensors[t.name]
         if t.shard is None:
-            replicated.add(re.sub(r"layers\.\d+\.", "layers.*.", t.name))
+            replicated.add(layer_pattern(t.name))
             assert t.shape == full.shape
         else:  # four disjoint equal pieces that reassemble the checkpoint tensor
             assert t.shard.parts == 4 and t.nbytes * 4 == full.nbytes
             whole = torch.arange(full.numel).reshape(full.shape)
             assert torch.equal(t.shard.assemble([t.shard.take(whole, r) for r in range(4)]), whole)
-    by_design = {
-        "model.embed_tokens.weight", "model.norm.weight",
-        "model.layers.*.input_layernorm.weight", "model.layers.*.post_attention_layernorm.weight",
-        "model.layers.*.self_attn.f_a_proj.weight", "model.layers.*.self_attn.o_norm.weight",
-        "model.layers.*.self_attn.kv_a_proj_with_mqa.weight", "model.layers.*.self_attn.kv_a_layernorm.weight",
-        "model.layers.*.block_sparse_moe.gate.weight", "model.layers.*.block_sparse_moe.gate.e_score_correction_bias",
-    }
-    if name == "k3-tiny":
-        by_design |= {
-            "model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight",
-            "model.layers.*.self_attention_res_norm.weight", "model.layers.*.self_attention_res_proj.weight",
-            "model.layers.*.mlp_res_norm.weight", "model.layers.*.mlp_res_proj.weight",
-            "model.layers.*.self_attn.q_a_proj.weight", "model.layers.*.self_attn.q_a_layernorm.weight",
-            "model.layers.*.block_sparse_moe.routed_expert_norm.weight",
-        }
-    else:
-        by_design |= {"model.layers.*.self_attn.g_a_proj.weight"}
-    assert replicated == by_design
+    assert replicated == (K3_REPLICATED if name == "k3-tiny" else KIMI_LINEAR_REPLICATED)
 
 
 def test_collectives_per_layer_k3():

@@ -1,5 +1,5 @@
 """The tensor-parallel runner without a GPU: its copies of the shard rules agree with the compiler's
-(k3mk.runtime imports no compiler package), and it refuses what it cannot run with clear errors."""
+(k3mk.runtime imports no compiler package), and the artifact's content key tells builds apart."""
 
 from __future__ import annotations
 
@@ -10,15 +10,12 @@ import torch
 
 from k3mk.ir import collectives
 from k3mk.ir.collectives import ShardSpec
-from k3mk.runtime import abi
-from k3mk.runtime.manifest import ArtifactError
-from k3mk.runtime.table import FORMAT_VERSION
-from k3mk.runtime.tp import TP_RANK, TPDecodeModel, shard_piece, shard_whole
+from k3mk.runtime.tp import TP_RANK, artifact_key, rank_pieces, shard_piece, shard_whole
 
 
 @pytest.mark.parametrize("shape,dim,parts,groups", [((6, 8), 0, 2, 1), ((4, 3, 24), 2, 2, 3), ((2, 16), 1, 8, 1), ((4, 8, 6), 1, 4, 1)])
 def test_shard_piece_and_whole_agree_with_shard_spec(shape, dim, parts, groups):
-    full = torch.arange(torch.Size(shape).numel()).view(shape)
+    full = torch.randn(shape)
     spec = ShardSpec(dim, parts, groups)
     shard = {"dim": dim, "parts": parts, "groups": groups}
     pieces = [shard_piece(full, shard, r) for r in range(parts)]
@@ -28,23 +25,21 @@ def test_shard_piece_and_whole_agree_with_shard_spec(shape, dim, parts, groups):
     assert torch.equal(shard_whole(pieces, shard), full)
 
 
+def test_rank_pieces_cut_the_split_weights_only():
+    weights = {"a": torch.randn(8, 4), "b": torch.randn(3)}
+    pieces = rank_pieces(weights, {"a": {"dim": 0, "parts": 4, "groups": 1}}, 2)
+    assert torch.equal(pieces["a"], weights["a"][4:6]) and pieces["b"] is weights["b"]
+
+
 def test_rank_input_name_agrees():
     assert TP_RANK == collectives.TP_RANK
 
 
-def _artifact(tmp_path, **fields):
-    data = {"manifest_version": 1, "abi_version": abi.ABI_VERSION, "task_table_format": FORMAT_VERSION, "params": abi.params_json(),
-            "control_words": abi.CONTROL_WORDS, "debug_words_per_cta": abi.DEBUG_WORDS, **fields}  # fmt: skip
-    (tmp_path / "manifest.json").write_text(json.dumps(data))
-    return tmp_path
-
-
-def test_refuses_a_single_rank_artifact(tmp_path):
-    with pytest.raises(ArtifactError, match=r"not a tensor-parallel artifact \(tp 1\): run it with DecodeModel"):
-        TPDecodeModel(_artifact(tmp_path, tp=1), {})
-
-
-def test_refuses_the_wrong_number_of_devices(tmp_path):
-    art = _artifact(tmp_path, tp=2, comm={"ranks": 2, "events": 1, "half": 16, "nbytes": 288})
-    with pytest.raises(ValueError, match=r"runs on 2 distinct GPUs, got devices \[0, 0\]"):
-        TPDecodeModel(art, {}, devices=[0, 0])
+def test_artifact_key_follows_the_manifest(tmp_path):
+    manifests = [{"tp": 2, "files_sha256": {"cubin": h}} for h in ("ab" * 32, "cd" * 32)]
+    keys = []
+    for i, m in enumerate(manifests + manifests[:1]):
+        (tmp_path / str(i)).mkdir()
+        (tmp_path / str(i) / "manifest.json").write_text(json.dumps(m))
+        keys.append(artifact_key(tmp_path / str(i)))
+    assert keys[0] == keys[2] != keys[1] and len(keys[0]) == 16
