@@ -3,17 +3,19 @@
 
 from __future__ import annotations
 
-import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from k3mk.ir import collectives
 from k3mk.ir.collectives import ShardSpec
-from k3mk.runtime import abi
 from k3mk.runtime.manifest import ArtifactError
-from k3mk.runtime.table import FORMAT_VERSION
 from k3mk.runtime.tp import TP_RANK, TPDecodeModel, shard_piece, shard_whole
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fake_artifact import edit_manifest, fake_artifact, model_meta  # noqa: E402
 
 
 @pytest.mark.parametrize("shape,dim,parts,groups", [((6, 8), 0, 2, 1), ((4, 3, 24), 2, 2, 3), ((2, 16), 1, 8, 1), ((4, 8, 6), 1, 4, 1)])
@@ -32,11 +34,11 @@ def test_rank_input_name_agrees():
     assert TP_RANK == collectives.TP_RANK
 
 
-def _artifact(tmp_path, **fields):
-    data = {"manifest_version": 1, "abi_version": abi.ABI_VERSION, "task_table_format": FORMAT_VERSION, "params": abi.params_json(),
-            "control_words": abi.CONTROL_WORDS, "debug_words_per_cta": abi.DEBUG_WORDS, **fields}  # fmt: skip
-    (tmp_path / "manifest.json").write_text(json.dumps(data))
-    return tmp_path
+def _artifact(tmp_path, tp: int):
+    art = fake_artifact(tmp_path / "art", meta=model_meta())
+    if tp > 1:  # what a tensor-parallel table adds (the diamond case is a tp-1 table)
+        edit_manifest(art, lambda m: m.update(tp=tp, tp_shards={}, comm={"ranks": tp, "events": 1, "half": 16, "nbytes": 288}))
+    return art
 
 
 def test_refuses_a_single_rank_artifact(tmp_path):
@@ -45,6 +47,6 @@ def test_refuses_a_single_rank_artifact(tmp_path):
 
 
 def test_refuses_the_wrong_number_of_devices(tmp_path):
-    art = _artifact(tmp_path, tp=2, comm={"ranks": 2, "events": 1, "half": 16, "nbytes": 288})
+    art = _artifact(tmp_path, tp=2)
     with pytest.raises(ValueError, match=r"runs on 2 distinct GPUs, got devices \[0, 0\]"):
         TPDecodeModel(art, {}, devices=[0, 0])
