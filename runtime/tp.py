@@ -24,6 +24,7 @@ import torch
 from k3mk.runtime.driver import enable_peer_access
 from k3mk.runtime.manifest import ArtifactError, load_manifest
 from k3mk.runtime.megakernel import Megakernel
+from k3mk.runtime.tokens import mark_nonfinite
 
 TP_RANK = "tp_rank"  # the step input holding the rank (k3mk.ir.collectives.TP_RANK; a test checks they agree)
 
@@ -77,10 +78,14 @@ class TPDecodeModel:
         local = shard_piece(full, self.shards[name], rank) if name in self.shards else full
         return local.to(device).contiguous()
 
-    def step(self, token_ids, positions) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, token_ids, positions, check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step on every rank: (next_tokens int32 [batch], rank 0's arena view; logits [batch,
-        vocab] assembled from the ranks' vocabulary shards on rank 0's device: a copy and a torch.cat)."""
-        return self.launch(token_ids, positions), self.output("logits")
+        vocab] assembled from the ranks' vocabulary shards on rank 0's device: a copy and a torch.cat).
+        NONFINITE_TOKEN (-1) where a request's logits are not finite, as DecodeModel.step."""
+        next_tokens, logits = self.launch(token_ids, positions), self.output("logits")
+        if check_finite:
+            mark_nonfinite(next_tokens, logits)
+        return next_tokens, logits
 
     def launch(self, token_ids, positions) -> torch.Tensor:
         """One decode step on every rank, one kernel launch each and nothing else on the GPUs but the
