@@ -4,8 +4,13 @@ traceback), and random-checkpoint + generate on k3-tiny end to end."""
 from __future__ import annotations
 
 import json
+import os
+import random
+import re
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from importlib import resources
 
@@ -148,23 +153,103 @@ def test_compile_summary_and_errors(capsys, tmp_path):
     assert err.startswith("k3mk: error:") and "3" in err and "\n" == err[-1] and err.count("\n") == 1
 
 
-def test_inspect_artifact(capsys, tmp_path, monkeypatch):
-    """`k3mk inspect` summarises a built artifact and checks its file hashes; a tampered file is a
-    one-line error."""
-    pytest.importorskip("cutlass", reason="building an artifact needs nvidia-cutlass-dsl (the compile extra)")
-    from k3mk.codegen.build import build
-
+def test_inspect_artifact(capsys, tmp_path):
+    """`k3mk inspect` validates the whole manifest and every file's hash (the ptx too); a tampered file or
+    a malformed manifest is a one-line error."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-    from megakernel_cases import all_cases
+    from fake_artifact import edit_manifest, fake_artifact, model_meta
+
+    out = fake_artifact(tmp_path / "artifact", meta=model_meta())
+    status, text, _ = run(capsys, "inspect", str(out))
+    assert status == 0 and "arch: sm_90a" in text and "max_tokens: 1" in text
+    for role in ("cubin", "ptx", "source", "task_table"):
+        assert re.search(rf"  {role}: \S+ \([\d,]+ bytes, hash ok\)", text), text
+    ptx = next(out.glob("*.ptx"))
+    ptx.write_text(ptx.read_text() + "// edited\n")
+    assert_error(capsys, "inspect", str(out), says=f"{ptx} does not match the hash in its manifest")
+    edit_manifest(out, lambda m: m.pop("files_sha256"))
+    assert_error(capsys, "inspect", str(out), says="manifest.json: field 'files_sha256' is missing")
+    (out / "manifest.json").write_text('{"arch": "sm_90a", ')
+    assert_error(capsys, "inspect", str(out), says="manifest.json: not a readable JSON manifest")
+    assert_error(capsys, "inspect", str(tmp_path), says="has no manifest.json: not a k3mk artifact")
+
+
+# --- limits and bad inputs found before any work ---------------------------------------------------
+
+
+def test_help_states_the_cache_and_the_limits(capsys):
+    status, out, _ = run(capsys, "--help")
+    assert status == 0 and "K3MK_CACHE_DIR" in out and "~/.cache/k3mk" in out
+    status, out, _ = run(capsys, "compile", "--help")
+    flat = " ".join(out.split())
+    assert status == 0 and "$K3MK_CACHE_DIR" in flat and "--max-tokens 1 to 16" in flat
+    assert "sm_103a (B300 / GB300)" in flat and "{sm_90a,sm_100a,sm_103a}" in flat
+
+
+def test_generate_limits(capsys, tmp_path, checkpoint):
+    args = ["generate", "--model", "k3-tiny", "--checkpoint", str(checkpoint), "--prompt", "5,9"]
+    assert_error(capsys, *args, "--steps", "2", "--threads", str(100000), says=f"argument --threads: must be at most {os.cpu_count()}")
+    start = time.monotonic()
+    assert_error(capsys, *args, "--steps", "4095", says="len(--prompt) + --steps = 4097 tokens exceed the 4096 of context k3-tiny supports")
+    # kimi-k3's weights alone are terabytes: refused before loading (an empty checkpoint directory is never read)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_error(capsys, "generate", "--model", "kimi-k3", "--checkpoint", str(empty), "--prompt", "1", "--steps", "1",
+                 says="--steps: 2 tokens of context need")  # fmt: skip
+    assert time.monotonic() - start < 10, "the limits must be checked before the checkpoint is loaded"
+
+
+def test_generate_reports_non_finite_logits(capsys, tmp_path, checkpoint):
+    """Finite but huge lm_head rows overflow their logits to Inf: the step reports it instead of a token."""
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "huge-head"
+    shutil.copytree(checkpoint, broken)
+    tensors = load_file(broken / "model.safetensors")
+    rows = torch.randperm(4096, generator=torch.Generator().manual_seed(4))[:3]
+    head = tensors["language_model.lm_head.weight"].clone()
+    head[rows] = 3.0e38  # finite in bf16 (max 3.39e38); the weights check passes
+    tensors["language_model.lm_head.weight"] = head
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    argv = ["generate", "--model", "k3-tiny", "--checkpoint", str(broken), "--prompt", "17,4", "--steps", "3"]
+    assert_error(capsys, *argv, says="decode step 2 (position 1) produced non-finite logits (NaN or Inf) instead of token 1 of 3")
+
+
+def test_compile_option_errors_come_first(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("K3MK_CACHE_DIR", str(tmp_path / "cache"))
+    start = time.monotonic()
+    assert_error(capsys, "compile", "--model", "k3-tiny", "--tp", "2", "--show-rank", "2", says="--show-rank 2: ranks are 0..1 at --tp 2")
+    assert_error(capsys, "compile", "--model", "k3-tiny", "--tp", "0", says="argument --tp: must be at least 1")
+    assert_error(capsys, "compile", "--model", "k3-tiny", "--profile", says="--profile applies to the artifact build: give --out")
+    assert_error(capsys, "compile", "--model", "k3-tiny", "--out", str(tmp_path / "o"), "--until", "fuse", says="--until fuse: an artifact (--out) needs every pass")
+    assert_error(capsys, "compile", "--model", "k3-tiny", "--arch", "sm_89", says="argument --arch: invalid choice: 'sm_89'")
+    a_file = tmp_path / "a-file"
+    a_file.write_text(str(random.random()))
+    assert_error(capsys, "compile", "--model", "k3-tiny", "--dump", str(a_file / "ir"), says=f"--dump {a_file / 'ir'} is not a writable directory")
+    # --out: a directory holding other files is refused before the pipeline, and left as it was
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    assert_error(capsys, "compile", "--model", "k3-tiny", "--out", str(user), says=f"--out {user}: is not a k3mk artifact (e.g. 'notes.txt'); refusing")
+    assert sorted(p.name for p in user.iterdir()) == ["notes.txt"]
+    assert_error(capsys, "compile", "--model", "k3-tiny", "--out", str(a_file), says=f"--out {a_file}: exists and is not a directory")
+    monkeypatch.setenv("K3MK_CACHE_DIR", str(a_file))
+    assert_error(capsys, "compile", "--model", "k3-tiny", "--out", str(tmp_path / "new"), says="the compile cache ($K3MK_CACHE_DIR, default ~/.cache/k3mk):")
+    assert time.monotonic() - start < 5, "option errors must come before the capture"
+
+
+def test_compile_without_the_compile_extra(capsys, tmp_path, monkeypatch):
+    """Without CuTe DSL, `--out` is refused before the passes run (not a traceback after them)."""
+
+    class NoCutlass:
+        def find_spec(self, name, path=None, target=None):
+            if name == "cutlass" or name.startswith("cutlass."):
+                raise ModuleNotFoundError(f"No module named {name!r}")
 
     monkeypatch.setenv("K3MK_CACHE_DIR", str(tmp_path / "cache"))
-    out = build(all_cases()["gemv_b1"].builder.table(), tmp_path / "artifact", arch="sm_90a")
-    assert main(["inspect", str(out)]) == 0
-    text = capsys.readouterr().out
-    assert "arch: sm_90a" in text and "cubin" in text and "hash ok" in text
-    cubin = next(out.glob("*.cubin"))
-    blob = bytearray(cubin.read_bytes())
-    blob[len(blob) // 2] ^= 0xFF
-    cubin.write_bytes(bytes(blob))
-    assert main(["inspect", str(out)]) == 2
-    assert "does not match the hash" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "meta_path", [NoCutlass(), *sys.meta_path])
+    monkeypatch.delitem(sys.modules, "cutlass", raising=False)
+    start = time.monotonic()
+    assert_error(capsys, "compile", "--model", "k3-tiny", "--out", str(tmp_path / "art"),
+                 says="k3mk compile --out needs nvidia-cutlass-dsl (the compile extra): pip install 'k3mk[compile]'")  # fmt: skip
+    assert time.monotonic() - start < 5 and not (tmp_path / "art").exists()
