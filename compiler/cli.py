@@ -27,6 +27,7 @@ from typing import NoReturn
 from k3mk import __version__
 from k3mk.codegen.artifact_dir import CACHE_ENV, cache_root, check_destination, install, locked, writable_directory
 from k3mk.codegen.ops import MAX_BATCH as MAX_TOKENS
+from k3mk.compiler import limits
 from k3mk.compiler.artifact_cache import SUMMARY_FILE, CompileOptions, discard, entry_path, usable
 from k3mk.compiler.config import PRESETS, ConfigError, ModelConfig, load_config
 from k3mk.runtime.schema import ARCHS
@@ -214,16 +215,14 @@ def _check_generate_memory(config: ModelConfig, context: int, dtype, device: str
     memory available on `device`: a clear error up front instead of an allocator's after loading."""
     import torch
 
-    from k3mk.compiler.limits import format_bytes, state_size, weight_bytes
-
     if config.max_context is not None and context > config.max_context:
         raise UsageError(f"--steps: len(--prompt) + --steps = {context} tokens exceed the {config.max_context} of context {config.name} supports (max_position_embeddings)")
     compute = dtype.itemsize
-    need = state_size(config, 1, 1, context, compute).total + weight_bytes(config, compute)
+    need = limits.state_size(config, 1, 1, context, compute).total + limits.weight_bytes(config, compute)
     free = torch.cuda.mem_get_info()[0] if device == "cuda" else _available_host_memory()
     if need > free:
-        raise UsageError(f"--steps: {context} tokens of context need {format_bytes(need)} (weights and decode state in {str(dtype).removeprefix('torch.')}), "
-                         f"more than the {format_bytes(free)} available on {device}")  # fmt: skip
+        raise UsageError(f"--steps: {context} tokens of context need {limits.format_bytes(need)} (weights and decode state in "
+                         f"{str(dtype).removeprefix('torch.')}), more than the {limits.format_bytes(free)} available on {device}")  # fmt: skip
 
 
 def _available_host_memory() -> int:
@@ -317,6 +316,7 @@ def _importable(module: str) -> bool:
 def _check_compile(args: argparse.Namespace) -> None:
     """What `k3mk compile` can check before anything runs: option combinations, writable --dump, --out
     and cache, the compile extra for the passes (the target's limits: compiler/limits.py, before capture)."""
+    limits.check_tokens(args.max_tokens)  # at once: a step of thousands of tokens would run the passes for minutes
     if args.show_rank is not None and not 0 <= args.show_rank < args.tp:
         raise UsageError(f"--show-rank {args.show_rank}: ranks are 0..{args.tp - 1} at --tp {args.tp}")
     for flag, on in (("--profile", args.profile), ("--weight-stream", args.weight_stream)):

@@ -13,10 +13,10 @@ cannot be built costs milliseconds, not the minutes of the passes):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from k3mk.codegen.ops import MAX_BATCH, OP_CODEGEN, CodegenError
 from k3mk.compiler.config import ModelConfig
-from k3mk.compiler.weights import TensorSpec, state_specs, weight_specs
 from k3mk.ir.task_table import (
     AttnResParams,
     EmbeddingParams,
@@ -28,8 +28,10 @@ from k3mk.ir.task_table import (
     OpVariant,
     RouterTopkParams,
 )
-from k3mk.passes.tp_shard import state_split
 from k3mk.runtime.schema import ARCHS
+
+if TYPE_CHECKING:
+    from k3mk.compiler.weights import TensorSpec
 
 MAX_POSITION = 2**31 - 1  # positions are int32 step inputs (docs/task_table.md, format 2)
 COMPILE_BYTES = 2  # the compile's activation (compute) dtype is bfloat16
@@ -61,6 +63,9 @@ class StateSize:
 
 def state_size(config: ModelConfig, tp: int, max_tokens: int, max_context: int, compute_bytes: int = COMPILE_BYTES) -> StateSize:
     """The decode state of one rank (passes/tp_shard.py splits the KDA states, replicates the latent cache)."""
+    from k3mk.compiler.weights import state_specs  # with torch: imported here, so that check_tokens runs before torch loads
+    from k3mk.passes.tp_shard import state_split
+
     sizes = {"kda": 0, "mla": 0}
     for spec in state_specs(config, max_tokens, max_context):
         parts = tp if state_split(spec.name) is not None else 1
@@ -70,10 +75,12 @@ def state_size(config: ModelConfig, tp: int, max_tokens: int, max_context: int, 
 
 def weight_bytes(config: ModelConfig, compute_bytes: int) -> int:
     """All weights of the model (one process, no tensor parallelism), as loaded."""
+    from k3mk.compiler.weights import weight_specs
+
     return sum(spec.numel * _element_bytes(spec, compute_bytes) for spec in weight_specs(config))
 
 
-def _element_bytes(spec: TensorSpec, compute_bytes: int) -> int:
+def _element_bytes(spec: "TensorSpec", compute_bytes: int) -> int:
     return {"compute": compute_bytes, "float32": 4, "uint8": 1}[spec.dtype]
 
 

@@ -220,6 +220,7 @@ def test_compile_option_errors_come_first(capsys, tmp_path, monkeypatch):
     start = time.monotonic()
     assert_error(capsys, "compile", "--model", "k3-tiny", "--tp", "2", "--show-rank", "2", says="--show-rank 2: ranks are 0..1 at --tp 2")
     assert_error(capsys, "compile", "--model", "k3-tiny", "--tp", "0", says="argument --tp: must be at least 1")
+    assert_error(capsys, "compile", "--model", "k3-tiny", "--max-tokens", "2048", says="--max-tokens 2048: the megakernel runs 1 to 16 tokens per step")
     assert_error(capsys, "compile", "--model", "k3-tiny", "--profile", says="--profile applies to the artifact build: give --out")
     assert_error(capsys, "compile", "--model", "k3-tiny", "--out", str(tmp_path / "o"), "--until", "fuse", says="--until fuse: an artifact (--out) needs every pass")
     assert_error(capsys, "compile", "--model", "k3-tiny", "--arch", "sm_89", says="argument --arch: invalid choice: 'sm_89'")
@@ -253,3 +254,10 @@ def test_compile_without_the_compile_extra(capsys, tmp_path, monkeypatch):
     assert_error(capsys, "compile", "--model", "k3-tiny", "--out", str(tmp_path / "art"),
                  says="k3mk compile --out needs nvidia-cutlass-dsl (the compile extra): pip install 'k3mk[compile]'")  # fmt: skip
     assert time.monotonic() - start < 5 and not (tmp_path / "art").exists()
+
+
+def test_the_token_limit_is_refused_before_torch_loads():
+    script = ("import sys; from k3mk.compiler.cli import main; status = main(sys.argv[1:]); "
+              "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(status)")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", script, "compile", "--model", "k3-tiny", "--max-tokens", "2048"], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr == "k3mk: error: --max-tokens 2048: the megakernel runs 1 to 16 tokens per step (requests x (1 + draft tokens))\n", proc.stderr
