@@ -21,12 +21,15 @@ import torch
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, int], bool]:
-    from k3mk.compiler.pipeline import kernel_option_values
+    from k3mk.codegen.ops import KERNEL_TUNING
 
     name, _, spec = text.partition(":")
-    items = [item for item in spec.split(",") if item]
-    profile = "profile=1" in items
-    return name, kernel_option_values([item for item in items if item != "profile=1"]), profile
+    items = [item.partition("=") for item in spec.split(",") if item]
+    options = {key: int(value) for key, _, value in items if key != "profile"}
+    unknown = set(options) - set(KERNEL_TUNING)
+    if unknown:
+        raise SystemExit(f"--variant {text!r}: unknown knobs {sorted(unknown)}; known: {', '.join(KERNEL_TUNING)} and profile=1")
+    return name, options, ("profile", "", "1") in items
 
 
 def main() -> int:

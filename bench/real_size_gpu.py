@@ -128,12 +128,12 @@ def main(art: str, out: str | None) -> None:
             p32 = (pos - lag).to(torch.int32)
             tok = next_tokens.clone()
             for _ in range(3):
-                tok.copy_(model.step(tok, p32)[0])
+                tok.copy_(model.step(tok, p32, check_finite=False)[0])
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(50):
-                tok.copy_(model.step(tok, p32)[0])
+                tok.copy_(model.step(tok, p32, check_finite=False)[0])  # the launch alone, as before the check existed
             end.record()
             torch.cuda.synchronize()
             rec[f"kernel_step_us_pos{pos}"] = start.elapsed_time(end) * 1e3 / 50

@@ -1,23 +1,25 @@
 """Build an artifact: task table -> CuTe DSL source -> cubin for one arch -> artifact directory.
 
-Artifact directory (read by k3mk.runtime, which checks manifest.json against the device):
+Artifact directory (read by k3mk.runtime, which validates manifest.json against k3mk/runtime/schema.py
+and checks it against the device):
   manifest.json            format versions, arch, SM count, block size, smem, kernel name, the
-                           kernel parameter ABI, buffer / weight tables, file names, resource usage
+                           kernel parameter ABI, buffer / weight tables, every file with its SHA-256,
+                           resource usage
   megakernel.<arch>.cubin  the kernel (loaded with cuModuleLoadData)
   megakernel.<arch>.ptx    for reading
   megakernel.py            the generated CuTe DSL source
   task_table.bin           docs/task_table.md
 
-Compiles run GPU-blind in a subprocess per arch (CUTE_DSL_ARCH is read once at import) and are
-cached by a content key (source, arch, CuTe DSL and k3mk versions) under $K3MK_CACHE_DIR or
-~/.cache/k3mk: entries are written to a temporary directory and renamed into place under a per-key
-file lock, and an entry whose files do not match its recorded hash is rebuilt.
+It is written whole or not at all (codegen/artifact_dir.py: staged beside the destination, renamed
+into place under a lock; only an artifact is ever replaced). Compiles run GPU-blind in a subprocess per
+arch (CUTE_DSL_ARCH is read once at import) and are cached by a content key (source, arch, CuTe DSL and
+k3mk versions) under $K3MK_CACHE_DIR or ~/.cache/k3mk: entries are written to a temporary directory and
+renamed into place under a per-key file lock, and an entry whose files do not match its recorded hash
+is rebuilt. (Whole artifacts are cached by the compiler: k3mk/compiler/artifact_cache.py.)
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -28,48 +30,34 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict
-from importlib import metadata
 from pathlib import Path
 
 from k3mk import __version__ as K3MK_VERSION
+from k3mk.codegen import artifact_dir
+from k3mk.codegen.artifact_dir import cutlass_dsl_version
 from k3mk.codegen.emit import dynamic_smem_bytes, emit_source
 from k3mk.codegen.ops import KernelConfig, ring_layout
 from k3mk.ir import task_table as tt
 from k3mk.ir.task_table import RingModel, TaskTable
-from k3mk.runtime import abi
-
-MANIFEST_VERSION = 1
-ARCH_SM_COUNT = {"sm_90a": 132, "sm_100a": 148}  # H100/H200 SXM, B200
-ARCH_COMPUTE_CAPABILITY = {"sm_90a": (9, 0), "sm_100a": (10, 0)}
-MAX_SMEM = {"sm_90a": 232448, "sm_100a": 232448}
+from k3mk.runtime import abi, schema
+from k3mk.runtime.schema import ARCHS
 
 
 class BuildError(RuntimeError):
     pass
 
 
-def cutlass_dsl_version() -> str:
-    try:
-        return metadata.version("nvidia-cutlass-dsl")
-    except metadata.PackageNotFoundError:
-        return "unknown"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("K3MK_CACHE_DIR") or Path.home() / ".cache" / "k3mk")
-
-
 def compile_source(source: str, arch: str, *, use_cache: bool = True, timeout: float = 1800) -> tuple[Path, dict]:
     """Compile `source` for `arch`; returns (directory with megakernel.<arch>.cubin/.ptx, info)."""
-    if arch not in ARCH_SM_COUNT:
-        raise BuildError(f"unknown arch {arch!r}; known: {sorted(ARCH_SM_COUNT)}")
+    if arch not in ARCHS:
+        raise BuildError(f"unknown arch {arch!r}; known: {', '.join(ARCHS)}")
     key = hashlib.sha256(
         json.dumps([source, arch, cutlass_dsl_version(), K3MK_VERSION, abi.ABI_VERSION]).encode()
     ).hexdigest()[:32]
-    root = cache_dir() / "kernels" if use_cache else Path(tempfile.mkdtemp(prefix="k3mk-build-"))
+    root = artifact_dir.cache_root() / "kernels" if use_cache else Path(tempfile.mkdtemp(prefix="k3mk-build-"))
     root.mkdir(parents=True, exist_ok=True)
     entry = root / key
-    with _locked(root / f"{key}.lock"):
+    with artifact_dir.locked(entry):
         info = _valid_entry(entry, arch) if use_cache else None
         if info is not None:
             return entry, {**info, "cache_hit": True}
@@ -123,16 +111,6 @@ def _valid_entry(entry: Path, arch: str) -> dict | None:
     return info
 
 
-@contextlib.contextmanager
-def _locked(path: Path):
-    with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def build(
     table: TaskTable,
     out_dir: str | os.PathLike,
@@ -148,8 +126,14 @@ def build(
     """Write the artifact directory for `table` and return its path. `check=False` skips the task
     table's validation (only for planted-fault tests: a table that deadlocks on purpose). `meta`: more
     manifest fields (the compiler's: model, TP degree, max tokens / context, weight format, ...);
-    `extra_files`: {role: text} written as files named by role (IR and schedule dumps), listed in "files"."""
-    sm_count = sm_count or ARCH_SM_COUNT.get(arch, 0)
+    `extra_files`: {role: text} written as files named by role (IR and schedule dumps), listed in "files".
+    The directory is written whole or not at all (codegen/artifact_dir.py): an existing artifact there
+    is replaced as a whole, a directory holding anything else is refused before the compile."""
+    if arch not in ARCHS:
+        raise BuildError(f"unknown arch {arch!r}; known: {', '.join(ARCHS)}")
+    out = Path(out_dir)
+    artifact_dir.check_destination(out)
+    sm_count = sm_count or ARCHS[arch].sm_count
     if len(table.lists) > sm_count:
         raise BuildError(f"{len(table.lists)} task lists but the target has {sm_count} SMs (one CTA per SM)")
     encoded = table.encode(check=check)
@@ -158,30 +142,55 @@ def build(
         table.check_deadlock_free(ring=RingModel(ring.slots, ring.records, config.warps, ring.slot_bytes))
     source = emit_source(table.variants, config)
     smem = dynamic_smem_bytes(table.variants, config)
-    if smem > MAX_SMEM[arch]:
-        raise BuildError(f"{smem} B of shared memory exceeds {MAX_SMEM[arch]} B on {arch}")
+    if smem > ARCHS[arch].max_dynamic_smem:
+        raise BuildError(f"{smem} B of shared memory exceeds {ARCHS[arch].max_dynamic_smem} B on {arch}")
     kernel_dir, info = compile_source(source, arch, use_cache=use_cache)
     expected_name = f"{config.kernel_name}_0"
     if info["kernel_names"] != [expected_name]:
         raise BuildError(f"kernel symbols {info['kernel_names']}, expected [{expected_name!r}]")
+    kernel = {"cubin": kernel_dir / f"megakernel.{arch}.cubin", "ptx": kernel_dir / f"megakernel.{arch}.ptx", "source": source}
+    return write_artifact(out, table, encoded, arch, sm_count, config, smem, kernel, info, meta or {}, extra_files or {})
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "manifest.json").unlink(missing_ok=True)  # written last: its presence marks a complete artifact
-    cubin_name = f"megakernel.{arch}.cubin"
-    shutil.copyfile(kernel_dir / cubin_name, out / cubin_name)
-    shutil.copyfile(kernel_dir / f"megakernel.{arch}.ptx", out / f"megakernel.{arch}.ptx")
-    (out / "megakernel.py").write_text(source)
-    (out / "task_table.bin").write_bytes(encoded)
+
+def write_artifact(out: Path, table: TaskTable, encoded: bytes, arch: str, sm_count: int, config: KernelConfig, smem: int,
+                   kernel: dict, info: dict, meta: dict, extra_files: dict[str, str | bytes]) -> Path:  # fmt: skip
+    """Stage the artifact's files and its manifest (validated against k3mk/runtime/schema.py), then
+    publish it at `out`. `kernel`: the compiled cubin and ptx (paths) and the source (text)."""
+    with artifact_dir.staging(out) as staged:
+        files = {"cubin": f"megakernel.{arch}.cubin", "task_table": "task_table.bin", "source": "megakernel.py", "ptx": f"megakernel.{arch}.ptx"}
+        shutil.copyfile(kernel["cubin"], staged / files["cubin"])
+        shutil.copyfile(kernel["ptx"], staged / files["ptx"])
+        (staged / files["source"]).write_text(kernel["source"])
+        (staged / files["task_table"]).write_bytes(encoded)
+        for role, blob in extra_files.items():
+            if role in files:
+                raise BuildError(f"extra file {role!r} is one of the build's own")
+            (staged / role).write_bytes(blob.encode() if isinstance(blob, str) else blob)
+            files[role] = role
+        manifest = _manifest(table, encoded, arch, sm_count, config, smem, info, files, meta)
+        manifest["files_sha256"] = {role: schema.file_sha256(staged / name) for role, name in files.items()}
+        text = json.dumps(manifest, indent=1)
+        try:
+            schema.validate(json.loads(text))  # as a reader will see it
+        except schema.ArtifactError as e:
+            raise BuildError(f"the manifest this build would write does not match k3mk/runtime/schema.py: {e}") from None
+        (staged / schema.MANIFEST_FILE).write_text(text)
+        return artifact_dir.publish(staged, out)
+
+
+def _manifest(table: TaskTable, encoded: bytes, arch: str, sm_count: int, config: KernelConfig, smem: int, info: dict,
+              files: dict[str, str], meta: dict) -> dict:  # fmt: skip
+    """manifest.json (k3mk/runtime/schema.py is its complete description), less the file hashes."""
     header = tt.read_header(encoded)
+    ring = ring_layout(table.variants, config)
     manifest = {
-        "manifest_version": MANIFEST_VERSION,
+        "manifest_version": schema.MANIFEST_VERSION,
         "abi_version": abi.PROFILE_ABI_VERSION if config.profile else abi.ABI_VERSION,
         "task_table_format": tt.FORMAT_VERSION,
         "k3mk_version": K3MK_VERSION,
         "cutlass_dsl_version": cutlass_dsl_version(),
         "arch": arch,
-        "compute_capability": list(ARCH_COMPUTE_CAPABILITY[arch]),
+        "compute_capability": list(ARCHS[arch].compute_capability),
         "sm_count": sm_count,
         "num_ctas": len(table.lists),
         "block_threads": config.block_threads,
@@ -189,7 +198,7 @@ def build(
         "dynamic_smem_bytes": smem,
         "debug": config.debug,
         "profile": config.profile,
-        "kernel_name": expected_name,
+        "kernel_name": f"{config.kernel_name}_0",
         "params": abi.params_json(),
         "control_words": abi.CONTROL_WORDS,
         "debug_words_per_cta": abi.DEBUG_WORDS,
@@ -204,20 +213,12 @@ def build(
         "pointer_table": "weights then states: entry i < len(weights) is weights[i], else states[i - len(weights)]"
                          + ("; then comm['ranks'] entries: every rank's comm region, in rank order" if table.comm else ""),
         "variants": [v.to_json() for v in table.variants],
-        "files": {"cubin": cubin_name, "task_table": "task_table.bin", "source": "megakernel.py",
-                  "ptx": f"megakernel.{arch}.ptx"},
-        "files_sha256": {"cubin": info["cubin_sha256"], "task_table": hashlib.sha256(encoded).hexdigest()},
+        "files": files,
         "compile": {k: info.get(k) for k in ("compile_seconds", "import_seconds", "wall_seconds", "cache_hit",
                                               "registers", "stack_bytes", "spill_store_bytes", "spill_load_bytes")},
     }  # fmt: skip
-    for role, blob in (extra_files or {}).items():
-        (out / role).write_bytes(blob.encode() if isinstance(blob, str) else blob)
-        manifest["files"][role] = role
-    for key, value in (meta or {}).items():
+    for key, value in meta.items():
         if key in manifest:
             raise BuildError(f"manifest field {key!r} is the build's own")
         manifest[key] = value
-    tmp = out / "manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, out / "manifest.json")
-    return out
+    return manifest

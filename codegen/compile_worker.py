@@ -28,7 +28,9 @@ def main(argv: list[str]) -> int:
     spec = importlib.util.spec_from_file_location("k3mk_generated_megakernel", source)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    with tempfile.TemporaryDirectory() as dump:  # the DSL writes dumps only into an existing dir
+    # The DSL writes dumps only into an existing dir; inside out_dir, so that the build removes it even
+    # when it has to kill this process (codegen/build.py: on Ctrl-C or SIGTERM of `k3mk compile`).
+    with tempfile.TemporaryDirectory(dir=out_dir) as dump:
         compiled = module.compile_kernel(arch, dump, "remarks{ptx}")  # ptxas resource report on stdout
         t2 = time.perf_counter()
         names = list(compiled.kernel_info)

@@ -73,6 +73,9 @@ class KernelConfig:
         return self.threads + PRODUCER_THREADS
 
 
+KERNEL_TUNING = ("slot_bytes", "ring_bytes", "records", "gemv_unroll", "l2_lookahead")  # `k3mk compile --kernel-option` knobs
+
+
 @dataclass(frozen=True)
 class OpCodegen:
     template: str

@@ -31,6 +31,10 @@ Equivalent layouts accepted when loading (anything else is a CheckpointError):
    multimodal checkpoint) are not part of the text model and are skipped. Unknown names inside the
    text model's namespace are errors.
 
+Refused besides (the loader reads every byte anyway): a NaN or Inf in any floating weight (after the
+conversion to the compute dtype), an MXFP4 scale byte 0xFF (UE8M0's NaN), and an index whose shard
+names point outside the checkpoint directory (an absolute path or a `..`).
+
 What transformers 5.20 `KimiLinearForCausalLM.save_pretrained` writes (checked on a tiny model):
 the published names (`q_conv1d`/`k_conv1d`/`v_conv1d` split back from its fused `conv1d`, per-expert
 `experts.{e}.w1/w2/w3.weight` unstacked from its `gate_up_proj`/`down_proj`, `A_log` [1, 1, H, 1],
@@ -64,7 +68,7 @@ import tempfile
 from contextlib import ExitStack
 from dataclasses import dataclass
 from importlib import resources
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Mapping
 
 import torch
@@ -209,6 +213,10 @@ def _tensor_files(directory: Path) -> dict[str, Path]:
         raise CheckpointError(f"{index}: expected JSON with a 'weight_map' object ({type(e).__name__}: {e})") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
+    for name, shard in weight_map.items():
+        parts = PurePosixPath(shard).parts
+        if not parts or PurePosixPath(shard).is_absolute() or ".." in parts or "\\" in shard:
+            raise CheckpointError(f"{index}: tensor '{name}' points to shard '{shard}', outside the checkpoint directory {directory}")
     for shard in sorted(set(weight_map.values())):
         if not (directory / shard).is_file():
             first = next(name for name, s in weight_map.items() if s == shard)
@@ -287,7 +295,9 @@ def _read(handle, path: Path, name: str, spec: TensorSpec, dtype: torch.dtype, d
     t = layouts[shape](t.to(device))
     if piece is not None and not canonical:  # another accepted layout (A_log's, a few bytes): read whole, then cut
         t = piece[0].take(t, piece[1])
-    return t.to(dtype)
+    out = t.to(dtype)
+    _check_finite(path, name, out)
+    return out
 
 
 def _shard(spec: TensorSpec, shards: Mapping[str, Mapping[str, int]] | None) -> ShardSpec | None:
@@ -300,6 +310,26 @@ def _shard(spec: TensorSpec, shards: Mapping[str, Mapping[str, int]] | None) -> 
     if shard.dim >= len(spec.shape) or (stacked and shard.dim == 0) or spec.shape[shard.dim] % (shard.parts * shard.groups):
         raise CheckpointError(f"tensor '{spec.name}' {_fmt(spec.shape)} cannot be split as {shard.text()} (routed experts split within each expert)")
     return shard
+
+
+MXFP4_NAN_SCALE = 0xFF  # UE8M0's one non-number: the whole group of 32 would dequantise to NaN
+
+
+def _check_finite(path: Path, name: str, t: Tensor) -> None:
+    """Every value finite, after the conversion to the compute dtype (an F32 value beyond bf16's range
+    becomes Inf there); MXFP4 scale bytes other than the NaN encoding (the E2M1 codes are all finite)."""
+    if t.dtype.is_floating_point:
+        bad = ~torch.isfinite(t)
+        what = "a non-finite value"
+    elif name.endswith(".weight_scale"):
+        bad = t == MXFP4_NAN_SCALE
+        what = f"the MXFP4 scale byte {MXFP4_NAN_SCALE:#x} (UE8M0 NaN)"
+    else:
+        return
+    if bad.any():
+        index = [int(i) for i in bad.nonzero()[0]]
+        value = t[tuple(index)].item()
+        raise CheckpointError(f"{path}: tensor '{name}' holds {what} at {index} ({value}; {int(bad.sum())} in all): refusing non-finite weights")
 
 
 def load_checkpoint(

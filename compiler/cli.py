@@ -12,16 +12,26 @@ Results go to stdout; progress goes to stderr, so stdout stays machine-readable.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import re
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
 from k3mk import __version__
+from k3mk.codegen.artifact_dir import CACHE_ENV, cache_root, check_destination, install, locked, writable_directory
+from k3mk.codegen.ops import KERNEL_TUNING
+from k3mk.codegen.ops import MAX_BATCH as MAX_TOKENS
+from k3mk.compiler import limits
+from k3mk.compiler.artifact_cache import SUMMARY_FILE, CompileOptions, discard, entry_path, usable
 from k3mk.compiler.config import PRESETS, ConfigError, ModelConfig, load_config
+from k3mk.runtime.schema import ARCHS
 
 EXIT_USAGE = 2  # argparse's status for usage errors; every reported error uses it
 EXIT_CHECK = 1  # generate --check: the megakernel's tokens differ from the reference's
@@ -136,6 +146,21 @@ def _gpus(text: str) -> list[int]:
     return [int(e) for e in entries]
 
 
+def _kernel_option(text: str) -> tuple[str, int]:
+    """--kernel-option's value: KEY=INTEGER, KEY a KernelConfig tuning knob."""
+    key, _, value = text.partition("=")
+    if key not in KERNEL_TUNING or not re.fullmatch(r"-?[0-9]+", value):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=INTEGER with KEY one of {', '.join(KERNEL_TUNING)}")
+    return key, int(value)
+
+
+def _thread_count(text: str) -> int:
+    value = _positive(text)
+    if value > (os.cpu_count() or 1):
+        raise argparse.ArgumentTypeError(f"must be at most {os.cpu_count()} (this machine's CPUs), found {value}")
+    return value
+
+
 def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "generate",
@@ -143,7 +168,9 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Feed the prompt one token per decode step, then generate STEPS tokens greedily. Prints the generated token ids "
             "(not the prompt), comma separated, on one line of stdout; progress goes to stderr. The decode state "
-            "holds len(prompt) + STEPS tokens of context.\n\n"
+            "holds len(prompt) + STEPS tokens of context: at most the model's max_position_embeddings, and for the reference "
+            "with the weights within the memory available on --device (both checked before loading). A step whose logits "
+            "are not finite (NaN or Inf) is an error, not a token.\n\n"
             "Without --artifact the reference decode step runs (PyTorch, the compiler's numerics oracle). With --artifact "
             "DIR the compiled megakernel of DIR runs on the GPU in bfloat16, one process per GPU for a tensor-parallel "
             "artifact (its tp ranks, started here, or one rank per process under torchrun); with --check the reference "
@@ -176,11 +203,11 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--threads",
-        type=_positive,
+        type=_thread_count,
         default=1,
         metavar="T",
-        help="CPU threads for torch (default: 1; the decode step is many small ops, where more threads mostly "
-        "spin: on a busy 2-core machine one thread ran a k3-tiny step 10x faster than two)",
+        help=f"CPU threads for torch, at most this machine's {os.cpu_count()} CPUs (default: 1; the decode step is many "
+        "small ops, where more threads mostly spin: on a busy 2-core machine one thread ran a k3-tiny step 10x faster than two)",
     )
     art = p.add_argument_group("compiled artifacts")
     art.add_argument("--artifact", type=Path, metavar="DIR", help="run the megakernel of this artifact (k3mk compile --out DIR) instead")
@@ -213,8 +240,9 @@ def _run_generate(args: argparse.Namespace) -> int:
     device, dtype_name = args.device or "cpu", args.dtype or "float32"
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA GPU is available to torch on this machine")
-    torch.set_num_threads(args.threads)
     dtype = getattr(torch, dtype_name)
+    _check_generate_memory(config, len(args.prompt) + args.steps, dtype, device)
+    torch.set_num_threads(args.threads)
     _progress(f"loading {_weight_source(args)} as {config.name} ({dtype_name}, {device}) ...")
     start = time.monotonic()
     step = build_decode_step(config, _load_weights(args, config, dtype, device), dtype)
@@ -375,6 +403,31 @@ def _report_check(check) -> int:
     return EXIT_CHECK
 
 
+def _check_generate_memory(config: ModelConfig, context: int, dtype, device: str) -> None:
+    """len(prompt) + steps within the model's context, and its decode state plus the weights within the
+    memory available on `device`: a clear error up front instead of an allocator's after loading."""
+    import torch
+
+    if config.max_context is not None and context > config.max_context:
+        raise UsageError(f"--steps: len(--prompt) + --steps = {context} tokens exceed the {config.max_context} of context {config.name} supports (max_position_embeddings)")
+    compute = dtype.itemsize
+    need = limits.state_size(config, 1, 1, context, compute).total + limits.weight_bytes(config, compute)
+    free = torch.cuda.mem_get_info()[0] if device == "cuda" else _available_host_memory()
+    if need > free:
+        raise UsageError(f"--steps: {context} tokens of context need {limits.format_bytes(need)} (weights and decode state in "
+                         f"{str(dtype).removeprefix('torch.')}), more than the {limits.format_bytes(free)} available on {device}")  # fmt: skip
+
+
+def _available_host_memory() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def _check_checkpoint_config(config: ModelConfig, checkpoint: Path) -> None:
     """A checkpoint that carries its own config.json must describe the same model as --model: tensor
     shapes could match while, say, the KDA gate form differs, and that would pass silently."""
@@ -390,31 +443,111 @@ def _check_checkpoint_config(config: ModelConfig, checkpoint: Path) -> None:
 
 # --- compile -----------------------------------------------------------------------------------------
 
+_CACHE_HELP = (
+    "Artifacts are cached whole: a compile of a target built before (the same config, options, target, k3mk sources "
+    f"and CuTe DSL) copies the cached artifact to --out in well under a second. The cache directory is ${CACHE_ENV}, "
+    "or ~/.cache/k3mk when it is unset (kernels/: compiled cubins; artifacts/: whole artifacts); delete it to reclaim "
+    "the space."
+)
+
 
 def _add_compile(subparsers: argparse._SubParsersAction) -> None:
-    from k3mk.compiler.pipeline import add_compile_arguments
-
     p = subparsers.add_parser(
         "compile",
         help="compile a model's decode step for a tensor-parallel degree",
         description=(
             "Capture MODEL's decode step and run the compile pipeline (tensor-parallel sharding, fusion, "
             "tiling, memory plan, events and their static check, per-SM schedule, task table). Prints a summary: "
-            "tasks and bytes per SM, the cost model's predicted step time and the roofline at the target's "
-            "NOMINAL bandwidth. With --dump, writes the IR after every pass and the schedule; with --arch and "
-            "--out, writes the compiled artifact."
+            "the decode state per rank, tasks and bytes per SM, the cost model's predicted step time and the roofline "
+            "at the target's NOMINAL bandwidth. With --dump, writes the IR after every pass and the schedule; with --out, "
+            "writes the compiled artifact (written whole or not at all; an existing artifact there is replaced as a whole, "
+            "a directory holding anything else is refused).\n\n"
+            f"Limits, checked before the pipeline runs: --max-tokens 1 to {MAX_TOKENS}; --max-context up to the model's "
+            "max_position_embeddings, with the decode state it needs per rank within the largest GPU of --arch; the "
+            "model's widths within what the op templates generate.\n\n" + _CACHE_HELP
         ),
         epilog="examples:\n\n  k3mk compile --model kimi-k3 --tp 8 --arch sm_100a --out k3-tp8-sm100a\n  k3mk compile --model k3-tiny --max-tokens 4 --dump /tmp/k3-tiny-ir",
         formatter_class=_Formatter,
     )
-    add_compile_arguments(p)
+    p.add_argument("--model", required=True, metavar="MODEL", help=_MODEL_HELP)
+    p.add_argument("--tp", type=_positive, default=1, metavar="N", help="tensor-parallel degree: one artifact for all N ranks (default: 1)")
+    p.add_argument("--max-tokens", type=_positive, default=1, metavar="B",
+                   help=f"tokens per decode step: requests x (1 + draft tokens), at most {MAX_TOKENS} (default: 1)")  # fmt: skip
+    p.add_argument("--max-context", type=_positive, default=4096, metavar="T", help="latent cache length per request (default: 4096)")
+    p.add_argument("--arch", choices=tuple(ARCHS), default="sm_90a",
+                   help="target GPU architecture: " + ", ".join(f"{a.name} ({a.devices})" for a in ARCHS.values()) + " (default: sm_90a)")  # fmt: skip
+    p.add_argument("--dump", type=Path, metavar="DIR", help="write the IR after capture and after every pass to DIR/NN_<pass>.txt")
+    p.add_argument("--show-rank", type=int, metavar="R", help="also print which slice of every split tensor rank R loads")
+    p.add_argument("--out", type=Path, metavar="DIR", help="build the megakernel artifact (cubin, task table, manifest) into DIR")
+    p.add_argument("--until", metavar="PASS", help="stop after this pass of the pipeline (default: every pass written so far)")
+    p.add_argument("--profile", action="store_true",
+                   help="with --out: a profile build, whose kernel records per-task timestamps (k3mk.runtime.profile; bench/timeline.py)")  # fmt: skip
+    p.add_argument("--kernel-option", type=_kernel_option, action="append", default=[], metavar="KEY=VALUE",
+                   help="with --out: a kernel tuning knob for sweeps (k3mk.codegen.ops.KernelConfig: "
+                        f"{', '.join(KERNEL_TUNING)}; integers); repeatable")  # fmt: skip
     p.set_defaults(run=_run_compile)
 
 
-def _run_compile(args: argparse.Namespace) -> int:
-    from k3mk.compiler.pipeline import run_compile
+# The compile extra (pyproject [compile]): module -> distribution. The passes need networkx and numpy;
+# the artifact build needs jinja2 (the templates) and CuTe DSL (the kernel compile).
+_PIPELINE_MODULES = {"networkx": "networkx", "numpy": "numpy"}
+_BUILD_MODULES = {"jinja2": "jinja2", "cutlass": "nvidia-cutlass-dsl"}
 
-    return run_compile(args)
+
+def _require_modules(modules: dict[str, str], what: str) -> None:
+    missing = [dist for module, dist in modules.items() if not _importable(module)]
+    if missing:
+        raise UsageError(f"{what} needs {', '.join(missing)} (the compile extra): pip install 'k3mk[compile]'")
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _check_compile(args: argparse.Namespace) -> None:
+    """What `k3mk compile` can check before anything runs: option combinations, writable --dump, --out
+    and cache, the compile extra for the passes (the target's limits: compiler/limits.py, before capture)."""
+    limits.check_tokens(args.max_tokens)  # at once: a step of thousands of tokens would run the passes for minutes
+    if args.show_rank is not None and not 0 <= args.show_rank < args.tp:
+        raise UsageError(f"--show-rank {args.show_rank}: ranks are 0..{args.tp - 1} at --tp {args.tp}")
+    for flag, on in (("--profile", args.profile), ("--kernel-option", bool(args.kernel_option))):
+        if on and args.out is None:
+            raise UsageError(f"{flag} applies to the artifact build: give --out")
+    if args.out is not None and args.until is not None:
+        raise UsageError(f"--until {args.until}: an artifact (--out) needs every pass; give one of the two")
+    if args.dump is not None:
+        writable_directory(args.dump, "--dump")
+    if args.out is not None:
+        check_destination(args.out, "--out")
+        writable_directory(cache_root() / "artifacts", f"the compile cache (${CACHE_ENV}, default ~/.cache/k3mk):")
+    _require_modules(_PIPELINE_MODULES, "k3mk compile")
+
+
+def _run_compile(args: argparse.Namespace) -> int:
+    config = load_config(args.model)
+    _check_compile(args)
+    if args.out is None:
+        from k3mk.compiler.pipeline import run_compile
+
+        return run_compile(args, config)
+    options = CompileOptions(args.tp, args.max_tokens, args.max_context, args.arch, args.profile, tuple(sorted(args.kernel_option)))
+    entry = entry_path(config, options)
+    with locked(args.out, wait=False), locked(entry):  # one writer per --out; a target is built once
+        if args.dump is None and usable(entry):
+            _progress(f"cached: {entry} (same config, options, target, k3mk sources and CuTe DSL); copying it to {args.out}")
+            print((entry / SUMMARY_FILE).read_text(), end="")
+        else:
+            _require_modules(_BUILD_MODULES, "k3mk compile --out")
+            from k3mk.compiler.pipeline import run_compile
+
+            discard(entry)
+            run_compile(args, config, entry)
+        install(entry, args.out)
+    print(f"artifact: {args.out}")
+    return 0
 
 
 # --- inspect -----------------------------------------------------------------------------------------
@@ -425,8 +558,8 @@ def _add_inspect(subparsers: argparse._SubParsersAction) -> None:
         "inspect",
         help="summarise a compiled artifact directory",
         description=(
-            "Read an artifact directory written by 'k3mk compile --out', check "
-            "its manifest against this k3mk's runtime (format and ABI versions, file hashes) and print what it "
+            "Read an artifact directory written by 'k3mk compile --out', validate "
+            "its manifest completely (every field, format and ABI versions, every file's hash) and print what it "
             "was compiled for and what it holds: target, model, kernel resources, task table and files."
         ),
         epilog="example:\n\n  k3mk inspect /tmp/k3-tiny-artifact",
@@ -447,17 +580,16 @@ def _describe(value: object) -> str:
 def _run_inspect(args: argparse.Namespace) -> int:
     from k3mk.runtime.manifest import load_manifest
 
-    m = load_manifest(args.artifact)
+    m = load_manifest(args.artifact)  # the complete schema (k3mk/runtime/schema.py) and this runtime's ABI
+    m.check_files()
     print(f"artifact {m.path}")
     for key in sorted(m.data):
         if key not in ("files", "files_sha256"):
             print(f"  {key}: {_describe(m.data[key])}")
     print("files:")
-    for role in sorted(m.data.get("files", {})):
+    for role in sorted(m.data["files"]):
         path = m.file(role)
-        m.read_file(role)  # raises if the file does not match its recorded hash
-        checked = "hash ok" if role in m.data.get("files_sha256", {}) else "no hash recorded"
-        print(f"  {role}: {path.name} ({path.stat().st_size:,} bytes, {checked})")
+        print(f"  {role}: {path.name} ({path.stat().st_size:,} bytes, hash ok)")
     return 0
 
 
@@ -474,7 +606,11 @@ def build_parser() -> argparse.ArgumentParser:
             "megakernel: it parses model configs, reads and writes checkpoints, runs the reference decode step "
             "(the compiler's numerics oracle) and compiles the step into a task table and a CuTe DSL kernel."
         ),
-        epilog="run 'k3mk COMMAND --help' for a command's options and an example",
+        epilog=(
+            "run 'k3mk COMMAND --help' for a command's options and an example\n\n"
+            f"environment: {CACHE_ENV} is the compile cache directory (compiled kernels and whole artifacts; "
+            "default ~/.cache/k3mk)"
+        ),
         formatter_class=_Formatter,
     )
     parser.add_argument("--version", action="version", version=f"k3mk {__version__}")
@@ -484,24 +620,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(BaseException):
+    """SIGTERM (what timeout, systemd and CI send): unwinds like Ctrl-C, so that the CuTe compile worker
+    is killed (subprocess.run kills its child on any exception) and temporary directories are removed."""
+
+
+def _terminate(signum, frame) -> NoReturn:
+    raise Terminated()
+
+
+# Errors that mean "the input is wrong", reported as one line; anything else is a bug and keeps its
+# traceback. Each counts once its module is loaded (most are imported lazily, with torch, so that
+# `--help` and a warm compile stay fast).
+_REPORTED = (("k3mk.compiler.checkpoint", "CheckpointError"), ("k3mk.compiler.limits", "CompileError"),
+             ("k3mk.compiler.generate", "NonFiniteLogits"), ("k3mk.runtime.schema", "ArtifactError"),
+             ("k3mk.codegen.artifact_dir", "ArtifactDirError"), ("k3mk.passes.emit_task_table", "EmitError"),
+             ("k3mk.codegen.ops", "CodegenError"), ("k3mk.codegen.build", "BuildError"))  # fmt: skip
+
+
 def _is_reported(error: Exception) -> bool:
-    """Errors that mean "the input is wrong", reported as one line; anything else is a bug and keeps its
-    traceback. CheckpointError counts only once the checkpoint module is loaded (it is imported lazily,
-    with torch, so that `--help` and config errors stay fast)."""
-    checkpoint = sys.modules.get("k3mk.compiler.checkpoint")
-    pipeline = sys.modules.get("k3mk.compiler.pipeline")
-    kinds = (UsageError, ConfigError, OSError) + ((checkpoint.CheckpointError,) if checkpoint else ())
-    kinds += (pipeline.CompileError,) if pipeline else ()
-    # Unsupported targets found by later stages (an op the task table or a template cannot express yet).
-    for module, name in (("k3mk.runtime.manifest", "ArtifactError"), ("k3mk.passes.emit_task_table", "EmitError"),
-                         ("k3mk.codegen.ops", "CodegenError"), ("k3mk.codegen.build", "BuildError")):  # fmt: skip
+    kinds: tuple[type, ...] = (UsageError, ConfigError, OSError)
+    for module, name in _REPORTED:
         loaded = sys.modules.get(module)
         kinds += (getattr(loaded, name),) if loaded else ()
     return isinstance(error, kinds)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `k3mk` console script. Returns the exit status: 0, or 2 after an error line."""
+    """Entry point of the `k3mk` console script. Returns the exit status: 0, or 2 after an error line
+    (130 after Ctrl-C, 143 after SIGTERM)."""
+    previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() else None
     try:
         args = build_parser().parse_args(argv)
         args.argv = list(sys.argv[1:] if argv is None else argv)  # what a launcher passes on to the processes it starts
@@ -511,11 +659,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("k3mk: interrupted", file=sys.stderr)
         return 130  # the shell's status for SIGINT
+    except Terminated:
+        print("k3mk: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except Exception as e:
         if not _is_reported(e):
             raise
         print(f"k3mk: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass
 from importlib import resources
@@ -93,6 +94,7 @@ class ModelConfig:
     kda: KDAConfig
     mla: MLAConfig
     moe: MoEConfig
+    max_context: int | None = None  # the longest context the model supports (max_position_embeddings); None: not stated
     source: str = ""  # where it was read from, for error messages
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -115,10 +117,11 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     def hash(self) -> str:
-        """Content hash of everything that shapes the compiled decode step (not the name or the source)."""
+        """Content hash of everything that shapes the compiled decode step (not the name, the source or the
+        model's maximum context: a compile chooses its own)."""
         d = self.to_dict()
-        d.pop("name")
-        d.pop("source")
+        for key in ("name", "source", "max_context"):
+            d.pop(key)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def replace(self, **changes: Any) -> "ModelConfig":
@@ -157,12 +160,15 @@ class _Fields:
             raise self.error(key, f"expected an integer >= {minimum}, found {v}")
         return v
 
-    def float(self, key: str, default: Any = ...) -> float:
+    def float(self, key: str, default: Any = ..., positive: bool = False) -> float:
+        """A finite number (JSON admits NaN and Infinity; no field of these configs means them), > 0 with `positive`."""
         v = self.raw(key, default)
         if v is None:
             return v
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise self.error(key, f"expected a number, found {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise self.error(key, f"expected a finite number, found {v!r}")
+        if positive and v <= 0:
+            raise self.error(key, f"expected a number > 0, found {v!r}")
         return float(v)
 
     def bool(self, key: str, default: Any = ...) -> bool:
@@ -198,6 +204,7 @@ _ALIASES = {
     "n_shared_experts": "num_shared_experts",
     "norm_topk_prob": "moe_renormalize",
     "n_group": "num_expert_group",
+    "max_position_embeddings": "model_max_length",
 }
 
 
@@ -392,9 +399,10 @@ def parse_config(data: dict[str, Any], where: str = "<config>", name: str = "") 
         full_rank_output_gate=lin.bool("use_full_rank_gate", False) if lin is not None else False,
     )
 
-    # transformers' KimiLinearAttention is always NoPE and its config has no `mla_use_nope`; a published
-    # config (with `linear_attn_config`) must say it.
-    if not text.bool("mla_use_nope", ... if lin is not None else True):
+    # transformers' KimiLinearAttention (model_type kimi_linear) is always NoPE and its config has no
+    # `mla_use_nope` (its save_pretrained writes none, with or without `linear_attn_config`): absent means
+    # true there. A kimi_k3 config is read by the published remote code, whose default is RoPE: it must say.
+    if not text.bool("mla_use_nope", ... if model_type == "kimi_k3" else True):
         raise text.error("mla_use_nope", "false is not supported (only NoPE MLA is implemented; expected true)")
     if text.bool("attention_bias", False):
         raise text.error("attention_bias", "true is not supported (Kimi MLA projections have no bias)")
@@ -435,7 +443,7 @@ def parse_config(data: dict[str, Any], where: str = "<config>", name: str = "") 
         latent_size=latent,
         latent_norm=bool(latent) and text.bool("latent_moe_use_norm", False),
         renormalize=text.bool("moe_renormalize", True),
-        routed_scaling_factor=text.float("routed_scaling_factor", 1.0),
+        routed_scaling_factor=text.float("routed_scaling_factor", 1.0, positive=True),
         expert_format=expert_format,  # type: ignore[arg-type]
         mxfp4_group_size=group,
     )
@@ -451,22 +459,21 @@ def parse_config(data: dict[str, Any], where: str = "<config>", name: str = "") 
         hidden_size=hidden,
         num_layers=num_layers,
         vocab_size=text.int("vocab_size"),
-        rms_norm_eps=text.float("rms_norm_eps"),
+        rms_norm_eps=text.float("rms_norm_eps", positive=True),
         layer_kinds=kinds,
         first_k_dense_replace=first_k_dense,
         moe_layer_freq=moe_freq,
         dense_intermediate_size=text.int("intermediate_size"),
         activation=act,
-        situ_beta=text.float("activation_situ_beta", 4.0),
-        situ_linear_beta=text.float("activation_situ_linear_beta", None),
+        situ_beta=text.float("activation_situ_beta", 4.0, positive=True),
+        situ_linear_beta=text.float("activation_situ_linear_beta", None, positive=True),
         attn_res_block_size=block,
         kda=kda,
         mla=mla,
         moe=moe,
+        max_context=text.int("model_max_length", None),
         source=where,
     )
-    if config.activation == "situ" and config.situ_beta <= 0:
-        raise text.error("activation_situ_beta", f"must be positive, found {config.situ_beta}")
     return config
 
 

@@ -19,6 +19,11 @@ from torch import Tensor
 from k3mk.compiler.config import ModelConfig
 from k3mk.compiler.ops import k3mk
 from k3mk.compiler.reference import DecodeStep
+from k3mk.runtime.tokens import NONFINITE_TOKEN, mark_nonfinite
+
+
+class NonFiniteLogits(ValueError):
+    """A decode step produced NaN or Inf logits: no token can be chosen."""
 
 NEAR_TIE = 0.05  # top-1 minus top-2 logit: below it a bf16 rounding may pick either token
 NEAR_TIE_ULPS = 2  # ... and so within 2 bf16 ULPs at the top logit (clear_mask)
@@ -55,8 +60,9 @@ def greedy_generate(
     on_step: Callable[[int, int], None] | None = None,
 ) -> list[int]:
     """Feed `prompt` one token per decode step, then generate `steps` tokens greedily (lowest index
-    wins a tie, as in the kernel's argmax). Returns the new tokens only. `on_step(done, total)` is
-    called after every decode step, for progress reports.
+    wins a tie, as in the kernel's argmax). Returns the new tokens only; a step whose logits are not
+    all finite raises NonFiniteLogits (k3mk.runtime.tokens, as the megakernel's step reports them).
+    `on_step(done, total)` is called after every decode step, for progress reports.
 
     The state is sized for len(prompt) + steps tokens of context."""
     if not prompt or steps < 1:
@@ -76,9 +82,16 @@ def greedy_generate(
         logits = feed(token, position)
     generated: list[int] = []
     for i in range(steps):
-        generated.append(int(k3mk.argmax(logits)[0]))
+        token = int(mark_nonfinite(k3mk.argmax(logits), logits)[0])
+        if token == NONFINITE_TOKEN:
+            raise NonFiniteLogits(
+                f"decode step {len(prompt) + i} (position {len(prompt) + i - 1}) produced non-finite logits (NaN or Inf) instead "
+                f"of token {i + 1} of {steps}; tokens before it: {','.join(map(str, generated)) or 'none'} (the weights are "
+                "finite: the loader checks them, so the activations overflowed)"
+            )
+        generated.append(token)
         if i + 1 < steps:
-            logits = feed(generated[-1], len(prompt) + i)
+            logits = feed(token, len(prompt) + i)
     return generated
 
 

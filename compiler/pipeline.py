@@ -1,6 +1,8 @@
 """The compile driver: capture the reference decode step for a target and run the pass pipeline on it
-as far as it is written (passes/manager.py), then summarize what came out; plus the two functions
-behind `k3mk compile` (`add_compile_arguments`, `run_compile`).
+as far as it is written (passes/manager.py), then summarize what came out; plus `run_compile`, the
+pipeline part of `k3mk compile` (compiler/cli.py declares its options, checks them and serves cached
+artifacts, compiler/artifact_cache.py). The target's limits are checked before the capture
+(compiler/limits.py).
 
 Stages that do not exist yet are reported as such, never guessed: the summary says which numbers
 need which pass.
@@ -18,17 +20,16 @@ from typing import Callable
 
 import torch
 
+from k3mk.compiler import limits
+from k3mk.compiler.artifact_cache import SUMMARY_FILE
 from k3mk.compiler.capture import capture
-from k3mk.compiler.config import ModelConfig, load_config
+from k3mk.compiler.config import ModelConfig
+from k3mk.compiler.limits import CompileError, StateSize, format_bytes
 from k3mk.ir.graph import Graph, Role
 from k3mk.ir.tasks import TaskGraph
 from k3mk.passes import manager
 from k3mk.passes.manager import ARCHS, PIPELINE, PassRecord, PipelineRun, Target, available, pass_name, run_pipeline
 from k3mk.passes.tp_shard import TPError, check_divisible
-
-
-class CompileError(ValueError):
-    """The compile target cannot be built (bad degree, arch, rank); the message names the option."""
 
 
 @dataclass
@@ -38,6 +39,7 @@ class CompileResult:
     capture_seconds: float
     run: PipelineRun
     sharded: Graph  # after tp_shard, before fusion: the op kinds the roofline knows (the captured graph if it did not run)
+    state: StateSize  # the decode state of one rank
     missing: list[str] = field(default_factory=list)  # passes of the pipeline not written yet
     skipped: list[str] = field(default_factory=list)  # written passes after `until`
 
@@ -54,16 +56,18 @@ class CompileResult:
 
 
 def make_target(config: ModelConfig, tp: int, max_tokens: int, max_context: int, dtype: torch.dtype, arch: str) -> Target:
-    """The compile target, checked before the (slow) capture: the errors name the option."""
+    """The compile target, checked before the (slow) capture, limits included (compiler/limits.py):
+    the errors name the option or the config field."""
     if arch not in ARCHS:
         raise CompileError(f"--arch {arch}: unknown (known: {', '.join(ARCHS)})")
-    for option, value in (("--tp", tp), ("--max-tokens", max_tokens), ("--max-context", max_context)):
-        if value < 1:
-            raise CompileError(f"{option} must be at least 1, found {value}")
+    if tp < 1:
+        raise CompileError(f"--tp must be at least 1, found {tp}")
     try:
         check_divisible(config, tp)
     except TPError as e:
         raise CompileError(f"--tp {tp}: {e}") from None
+    limits.check_tokens(max_tokens)
+    limits.check_context(config, tp, max_tokens, max_context, arch)
     return Target.for_arch(config, arch, tp=tp, max_tokens=max_tokens, max_context=max_context, dtype=dtype)
 
 
@@ -90,6 +94,8 @@ def compile_graph(
     missing = [pass_name(p) for p in PIPELINE[len(written) :]]
     skipped = [pass_name(p) for p in written[len(passes) :]]
     say = progress or (lambda line: None)
+    state = limits.state_size(config, tp, max_tokens, max_context)
+    say(f"decode state per rank: {state.text()}")
     start = time.perf_counter()
     graph = capture(config, max_tokens, max_context, dtype)
     seconds = time.perf_counter() - start
@@ -104,14 +110,7 @@ def compile_graph(
     run = run_pipeline(graph, target, passes, dump_dir, on_pass)
     if missing:
         say(f"not written yet: {', '.join(missing)}")
-    return CompileResult(target, graph, seconds, run, kept["tp_shard"], missing, skipped)
-
-
-def _bytes(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
+    return CompileResult(target, graph, seconds, run, kept["tp_shard"], state, missing, skipped)
 
 
 def summary(result: CompileResult) -> str:
@@ -132,13 +131,14 @@ def summary(result: CompileResult) -> str:
     weights = graph.by_role(Role.WEIGHT)
     split = sum(w.nbytes for w in weights if w.shard is not None)
     replicated = sum(w.nbytes for w in weights if w.shard is None)
-    lines.append(f"weights stored per rank: {_bytes(split + replicated)} ({_bytes(split)} split, {_bytes(replicated)} replicated)")
+    lines.append(f"weights stored per rank: {format_bytes(split + replicated)} ({format_bytes(split)} split, {format_bytes(replicated)} replicated)")
+    lines.append(f"decode state per rank: {result.state.text()}")
     counts: dict[str, list[int]] = {}
     for n in graph.nodes:
         if n.op.name in ("all_reduce", "all_gather"):
             counts.setdefault(n.op.name, []).append(sum(graph.tensors[o].nbytes for o in n.outputs))
     if counts:
-        lines.append("collectives per step: " + ", ".join(f"{k} x{len(v)} ({_bytes(sum(v))} results)" for k, v in sorted(counts.items())))
+        lines.append("collectives per step: " + ", ".join(f"{k} x{len(v)} ({format_bytes(sum(v))} results)" for k, v in sorted(counts.items())))
 
     out = getattr(result.output, "task_graph", result.output)
     tg = out if isinstance(out, TaskGraph) else None
@@ -146,7 +146,7 @@ def summary(result: CompileResult) -> str:
         per_sm = [len(ts) for ts in tg.sm_lists]
         sm_bytes = tg.meta.get("sm_bytes") or [sum(tg.tasks[i].weight_bytes for i in ts) for ts in tg.sm_lists]
         lines.append(f"tasks per SM: min {min(per_sm)} / mean {statistics.mean(per_sm):.1f} / max {max(per_sm)} ({len(tg.tasks)} tasks)")
-        lines.append(f"bytes per SM: min {_bytes(min(sm_bytes))} / mean {_bytes(statistics.mean(sm_bytes))} / max {_bytes(max(sm_bytes))}")
+        lines.append(f"bytes per SM: min {format_bytes(min(sm_bytes))} / mean {format_bytes(statistics.mean(sm_bytes))} / max {format_bytes(max(sm_bytes))}")
     else:
         lines.append("tasks and bytes per SM: not available (needs tile ... schedule)")
     predicted = tg.meta.get("predicted_step_s") if tg is not None else None
@@ -163,8 +163,8 @@ def _roofline(graph: Graph, target: Target) -> str:
     roof = roofline_bytes(graph)
     return (
         f"roofline per rank at NOMINAL bandwidth {target.bandwidth / 1e12:.1f} TB/s ({target.device_name} datasheet, not measured): "
-        f"{_bytes(roof['total'])} per step ({_bytes(roof['weights'])} weights, {_bytes(roof['experts'])} routed experts, "
-        f"{_bytes(roof['state'])} state) -> {roof['total'] / target.bandwidth * 1e6:.1f} us"
+        f"{format_bytes(roof['total'])} per step ({format_bytes(roof['weights'])} weights, {format_bytes(roof['experts'])} routed experts, "
+        f"{format_bytes(roof['state'])} state) -> {roof['total'] / target.bandwidth * 1e6:.1f} us"
     )
 
 
@@ -187,24 +187,6 @@ def rank_view(graph: Graph, rank: int) -> str:
 
 
 # --- `k3mk compile` ----------------------------------------------------------------------------------
-
-
-def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `k3mk compile`."""
-    parser.add_argument("--model", required=True, metavar="MODEL", help="a preset or a directory holding a config.json")
-    parser.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel degree: one artifact for all N ranks (default: 1)")
-    parser.add_argument("--max-tokens", type=int, default=1, metavar="B", help="tokens per decode step: requests x (1 + draft tokens) (default: 1)")
-    parser.add_argument("--max-context", type=int, default=4096, metavar="T", help="latent cache length per request (default: 4096)")
-    parser.add_argument("--arch", choices=tuple(ARCHS), default="sm_90a", help="target GPU architecture (default: sm_90a)")
-    parser.add_argument("--dump", type=Path, metavar="DIR", help="write the IR after capture and after every pass to DIR/NN_<pass>.txt")
-    parser.add_argument("--show-rank", type=int, metavar="R", help="also print which slice of every split tensor rank R loads")
-    parser.add_argument("--out", type=Path, metavar="DIR", help="build the megakernel artifact (cubin, task table, manifest) into DIR")
-    parser.add_argument("--until", choices=[p.name for p in PIPELINE], metavar="PASS", help="stop after this pass (default: run every pass written so far)")
-    parser.add_argument("--profile", action="store_true",
-                        help="with --out: a profile build, whose kernel records per-task timestamps (k3mk.runtime.profile; bench/timeline.py)")  # fmt: skip
-    parser.add_argument("--kernel-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="with --out: a kernel tuning knob (k3mk.codegen.ops.KernelConfig: slot_bytes, ring_bytes, records, "
-                             "gemv_unroll, l2_lookahead; integers), for sweeps; repeatable")  # fmt: skip
 
 
 def compile_artifact(
@@ -237,6 +219,7 @@ def compile_artifact(
 
     say = progress or (lambda line: None)
     if result is None:
+        limits.check_kernel_shapes(config, tp, max_tokens, max_context)
         result = compile_graph(config, tp, max_tokens, max_context, dtype, arch, None, say)
     emitted = result.output
     if not isinstance(emitted, EmittedTable):
@@ -268,7 +251,7 @@ def compile_artifact(
         "ir_captured.txt": result.captured.text() if hasattr(result.captured, "text") else str(result.captured),
         "ir_fused.txt": graph.text() if hasattr(graph, "text") else str(graph),
         "schedule.txt": emitted.text(),
-        "compile_summary.txt": summary(result),
+        SUMMARY_FILE: summary(result),
     }
     if profile:  # table order = the schedule's SM lists (emit_task_table)
         tasks = [emitted.task_graph.tasks[i] for ids in emitted.task_graph.sm_lists for i in ids]
@@ -280,43 +263,26 @@ def compile_artifact(
     return out
 
 
-KERNEL_OPTIONS = ("slot_bytes", "ring_bytes", "records", "gemv_unroll", "l2_lookahead")
-
-
-def kernel_option_values(items: list[str]) -> dict[str, int]:
-    """--kernel-option KEY=VALUE items as KernelConfig fields (the tuning knobs only)."""
-    options = {}
-    for item in items:
-        key, _, value = item.partition("=")
-        if key not in KERNEL_OPTIONS or not value.lstrip("-").isdigit():
-            raise CompileError(f"--kernel-option {item!r}: expected KEY=INTEGER with KEY one of {', '.join(KERNEL_OPTIONS)}")
-        options[key] = int(value)
-    return options
-
-
-def run_compile(args: argparse.Namespace) -> int:
-    """`k3mk compile`: progress to stderr, the summary (and --show-rank's view) to stdout; with `--out`
-    (and `--arch`), the artifact directory too (`compile_artifact`)."""
-    if args.show_rank is not None and not 0 <= args.show_rank < args.tp:
-        raise CompileError(f"--show-rank {args.show_rank}: ranks are 0..{args.tp - 1} at --tp {args.tp}")
-    config = load_config(args.model)
+def run_compile(args: argparse.Namespace, config: ModelConfig, artifact: Path | None = None) -> int:
+    """The pipeline part of `k3mk compile` (k3mk/compiler/cli.py checks the options first and serves
+    cached artifacts): progress to stderr, the summary (and --show-rank's view) to stdout; with
+    `artifact`, the artifact is built there (`compile_artifact`)."""
     progress = lambda line: print(f"k3mk: {line}", file=sys.stderr, flush=True)  # noqa: E731
-    out_dir = getattr(args, "out", None)
-    profile = getattr(args, "profile", False)
-    kernel_options = kernel_option_values(getattr(args, "kernel_option", []))
-    for flag, on in (("--profile", profile), ("--kernel-option", bool(kernel_options))):
-        if on and (out_dir is None or args.until is not None):
-            raise CompileError(f"{flag} applies to the artifact build: give --out (and no --until)")
-    if out_dir is not None and args.until is None:
+    if artifact is not None:
+        limits.check_kernel_shapes(config, args.tp, args.max_tokens, args.max_context)  # the template limits, before the passes
         result = compile_graph(config, args.tp, args.max_tokens, args.max_context, torch.bfloat16, args.arch, args.dump, progress)
         print(summary(result), end="")
-        path = compile_artifact(config, args.tp, args.max_tokens, args.max_context, args.arch, out_dir, progress=progress, result=result,
-                                profile=profile, kernel_options=kernel_options)  # fmt: skip
-        print(f"artifact: {path}")
+        compile_artifact(config, args.tp, args.max_tokens, args.max_context, args.arch, artifact, progress=progress, result=result,
+                         profile=args.profile, kernel_options=dict(args.kernel_option))  # fmt: skip
         return 0
-    # Without --out nothing needs the binary table: stop after the schedule and its deadlock check.
+    # Without an artifact nothing needs the binary table: stop after the schedule and its deadlock check.
+    # Nor the op templates: a width they cannot generate is noted, not refused (the analysis is still valid).
     until = args.until or "check_deadlock"
     result = compile_graph(config, args.tp, args.max_tokens, args.max_context, torch.bfloat16, args.arch, args.dump, progress, until)
+    try:
+        limits.check_kernel_shapes(config, args.tp, args.max_tokens, args.max_context)
+    except CompileError as e:
+        progress(f"note: no megakernel can be built for this target (--out would refuse it): {e}")
     print(summary(result), end="")
     if args.show_rank is not None:
         print(rank_view(result.graph, args.show_rank), end="")

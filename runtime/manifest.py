@@ -1,22 +1,17 @@
-"""Read an artifact's manifest.json and check it against this runtime and the device, with errors
-that say what to rebuild."""
+"""Read an artifact's manifest.json, validate it completely (k3mk.runtime.schema) and check it
+against this runtime and the device, with errors that say what to rebuild."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from k3mk.runtime import abi
+from k3mk.runtime.schema import ARCH_OF_CAPABILITY, MANIFEST_FILE, MANIFEST_VERSION, ArtifactError, check_file, validate
 from k3mk.runtime.table import FORMAT_VERSION
 
-MANIFEST_VERSION = 1
-ARCH_OF_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
-
-
-class ArtifactError(RuntimeError):
-    """An artifact this runtime or this device cannot run."""
+__all__ = ["ARCH_OF_CAPABILITY", "MANIFEST_VERSION", "ArtifactError", "Manifest", "check_device", "check_versions", "load_manifest"]
 
 
 @dataclass(frozen=True)
@@ -32,30 +27,45 @@ class Manifest:
 
     def read_file(self, role: str) -> bytes:
         """The file's bytes, checked against the hash the build recorded."""
-        blob = self.file(role).read_bytes()
-        want = self.data.get("files_sha256", {}).get(role)
-        if want is not None and hashlib.sha256(blob).hexdigest() != want:
-            raise ArtifactError(f"{self.file(role)} does not match the hash in its manifest: rebuild the artifact")
+        path = self.file(role)
+        try:
+            blob = path.read_bytes()
+        except OSError as e:
+            raise ArtifactError(f"{path}: the artifact's {role} cannot be read ({e.strerror})") from None
+        check_file(self.path, self.data, role, blob)
         return blob
+
+    def check_files(self) -> None:
+        """Every listed file present, inside the directory and matching its hash (reads them all)."""
+        for role in self.data["files"]:
+            check_file(self.path, self.data, role)
 
 
 def load_manifest(artifact_dir: str | Path) -> Manifest:
+    """The artifact's manifest, validated against the schema and this runtime's ABI (no GPU needed)."""
     path = Path(artifact_dir)
+    file = path / MANIFEST_FILE
     try:
-        data = json.loads((path / "manifest.json").read_text())
+        data = json.loads(file.read_text())
     except FileNotFoundError:
-        raise ArtifactError(f"{path} has no manifest.json: not a k3mk artifact, or its build did not finish") from None
+        raise ArtifactError(f"{path} has no {MANIFEST_FILE}: not a k3mk artifact, or its build did not finish") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ArtifactError(f"{file}: not a readable JSON manifest ({e})") from None
+    try:
+        validate(data)
+    except ArtifactError as e:
+        raise ArtifactError(f"{file}: {e}") from None
     m = Manifest(path, data)
     check_versions(m)
     return m
 
 
 def check_versions(m: Manifest) -> None:
-    if m.data.get("manifest_version") != MANIFEST_VERSION:
+    if m.data.get("manifest_version") != MANIFEST_VERSION:  # also checked by the schema; kept for hand-made Manifests
         raise ArtifactError(f"manifest version {m.data.get('manifest_version')}; this runtime reads {MANIFEST_VERSION}")
     if m["task_table_format"] != FORMAT_VERSION:
         raise ArtifactError(f"task table format {m['task_table_format']}; this runtime reads {FORMAT_VERSION}")
-    profile = bool(m.data.get("profile", False))  # absent in artifacts built before profile builds existed
+    profile = bool(m.data.get("profile", False))
     abi_version = abi.PROFILE_ABI_VERSION if profile else abi.ABI_VERSION
     if m["abi_version"] != abi_version or m["params"] != abi.params_json():
         raise ArtifactError(

@@ -23,11 +23,15 @@ import torch
 from k3mk.runtime import abi
 from k3mk.runtime.driver import Module, PackedParams, launch_cooperative
 from k3mk.runtime.manifest import ArtifactError, Manifest, check_device, load_manifest
-from k3mk.runtime.table import read_table
+from k3mk.runtime.schema import DTYPE_BYTES
+from k3mk.runtime.table import LoadedTable, TaskTableFormatError, read_table
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "int32": torch.int32,
-          "int64": torch.int64, "uint8": torch.uint8}  # fmt: skip
+DTYPES = {name: getattr(torch, name) for name in DTYPE_BYTES}  # the manifest's dtype names (runtime/schema.py)
 DEFAULT_WATCHDOG_US = 2_000_000
+
+
+class NoDeviceError(RuntimeError):
+    """The artifact is valid, but this machine has no GPU to run it on."""
 
 
 class WatchdogError(RuntimeError):
@@ -38,19 +42,34 @@ class WatchdogError(RuntimeError):
         self.records = records
 
 
+def load_artifact(artifact_dir: str | Path) -> tuple[Manifest, LoadedTable]:
+    """The artifact's manifest and task table, both validated and checked against each other, before any
+    GPU work (so a bad artifact is reported as such on any machine)."""
+    manifest = load_manifest(artifact_dir)
+    try:
+        table = read_table(manifest.read_file("task_table"))
+    except TaskTableFormatError as e:
+        raise ArtifactError(f"{manifest.file('task_table')}: {e}: rebuild the artifact") from None
+    m = manifest
+    for what, found, expected in (("lists", table.num_lists, m["num_ctas"]), ("events", table.num_events, m["num_events"]),
+                                  ("tasks", table.num_tasks, m["num_tasks"]), ("variants", table.num_variants, len(m["variants"]))):  # fmt: skip
+        if found != expected:
+            raise ArtifactError(f"{m.file('task_table')} has {found} {what}, its manifest says {expected}: rebuild the artifact")
+    return manifest, table
+
+
 class Megakernel:
     def __init__(self, artifact_dir: str | Path, device: int | torch.device | None = None, poison_arena: bool = True):
-        self.manifest: Manifest = load_manifest(artifact_dir)
+        self.manifest, self.table = load_artifact(artifact_dir)
+        m = self.manifest
+        if not torch.cuda.is_available():
+            raise NoDeviceError(f"{m.path}: a valid {m['arch']} artifact, but no CUDA GPU is available to torch on this machine")
         if device is None:
             device = torch.cuda.current_device()
         device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         props = torch.cuda.get_device_properties(self.device)
         check_device(self.manifest, (props.major, props.minor), props.multi_processor_count, props.name)
-        self.table = read_table(self.manifest.read_file("task_table"))
-        m = self.manifest
-        if self.table.num_lists != m["num_ctas"] or self.table.num_events != m["num_events"]:
-            raise ArtifactError("task table and manifest disagree on lists / events: rebuild the artifact")
         self.num_ctas = m["num_ctas"]
         self.threads = m["block_threads"]
         self.smem = m["dynamic_smem_bytes"]

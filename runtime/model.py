@@ -3,7 +3,7 @@ table format 2: weights, decode state and step inputs / outputs bound by name), 
 kernel launch per step.
 
     model = DecodeModel(artifact_dir, weights)          # weights: {canonical name: torch tensor} on the GPU
-    next_tokens, logits = model.step(token_ids, positions)
+    next_tokens, logits = model.step(token_ids, positions)   # next_tokens: -1 where a request's logits are not finite
 
 `weights` is e.g. `k3mk.compiler.random_weights.random_weights(config, seed, torch.bfloat16, "cuda")` or a
 loaded checkpoint (names not in the artifact are ignored; every artifact weight must be there). The decode
@@ -21,6 +21,7 @@ from typing import Mapping
 import torch
 
 from k3mk.runtime.megakernel import Megakernel
+from k3mk.runtime.tokens import mark_nonfinite
 
 
 class DecodeModel:
@@ -55,12 +56,19 @@ class DecodeModel:
             value = host
         dst.copy_(value, non_blocking=True)
 
-    def step(self, token_ids, positions) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step for every request: (next_tokens int32 [batch], logits [batch, vocab]), arena views."""
+    def step(self, token_ids, positions, check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step for every request: (next_tokens int32 [batch], logits [batch, vocab]), arena views.
+        A request whose logits hold a NaN or an Inf gets NONFINITE_TOKEN (-1) instead of a token
+        (k3mk.runtime.tokens; three small torch kernels after the launch, on its stream): never feed it back
+        as a token id. `check_finite=False` leaves the kernel's argmax as it is (exactly one launch: step-time
+        measurements, loops that feed the tokens back)."""
         self._write("token_ids", token_ids)
         self._write("positions", positions)
         self.mk.step()
-        return self.mk.buffer("next_tokens"), self.mk.buffer("logits")
+        next_tokens, logits = self.mk.buffer("next_tokens"), self.mk.buffer("logits")
+        if check_finite:
+            mark_nonfinite(next_tokens, logits)
+        return next_tokens, logits
 
     def buffer(self, name: str) -> torch.Tensor:
         return self.mk.buffer(name)

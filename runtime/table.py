@@ -1,21 +1,28 @@
 """The runtime's own reader of a task table file (docs/task_table.md): the device part to upload,
 the two word offsets the kernel needs, and the JSON metadata (labels and event names for watchdog
 reports). Duplicates a few constants of k3mk.ir.task_table on purpose: the runtime imports no
-compiler package (tests/runtime/test_import_isolation.py checks that the two agree)."""
+compiler package (tests/runtime/test_runtime_cpu.py checks that the two agree).
+
+The reader checks the table's structure before anything is uploaded (`check_structure`): a table the
+kernel would walk out of bounds with (an offset past the device part, an unknown opcode, an event
+out of range or an expected count that is not its event's count) is an error, even when its hash matches.
+"""
 
 from __future__ import annotations
 
 import json
 import struct
+import sys
+from array import array
 from dataclasses import dataclass
 
 FORMAT_VERSION = 2
 MAGIC = 0x5454334B
 HEADER_WORDS = 16
 TASK_WORDS = 32
-H_MAGIC, H_VERSION, H_NUM_LISTS, H_NUM_TASKS, H_NUM_EVENTS = 0, 1, 4, 5, 6
-H_LISTS_OFFSET, H_TASKS_OFFSET, H_DEVICE_WORDS, H_META_BYTES = 8, 9, 11, 12
-W_OPCODE, W_WAIT0, W_WAIT1, W_SIGNAL = 0, 1, 3, 5  # task words; an absent event is NO_EVENT
+H_MAGIC, H_VERSION, H_HEADER_WORDS, H_TASK_WORDS, H_NUM_LISTS, H_NUM_TASKS, H_NUM_EVENTS, H_NUM_VARIANTS = range(8)
+H_LISTS_OFFSET, H_TASKS_OFFSET, H_EVENTS_OFFSET, H_DEVICE_WORDS, H_META_BYTES = 8, 9, 10, 11, 12
+W_OPCODE, W_WAIT0, W_COUNT0, W_WAIT1, W_COUNT1, W_SIGNAL, W_FLAGS, W_RESERVED = range(8)  # an absent event is NO_EVENT
 NO_EVENT = -1
 
 
@@ -43,6 +50,7 @@ class LoadedTable:
     num_lists: int
     num_tasks: int
     num_events: int
+    num_variants: int
     meta: dict
 
     def label(self, cta: int, task: int) -> str:
@@ -79,8 +87,13 @@ def read_table(data: bytes) -> LoadedTable:
     if h[H_VERSION] != FORMAT_VERSION:
         raise TaskTableFormatError(f"task table format {h[H_VERSION]}; this runtime reads format {FORMAT_VERSION}")
     end = h[H_DEVICE_WORDS] * 4
-    if len(data) != end + h[H_META_BYTES]:
+    if h[H_DEVICE_WORDS] < HEADER_WORDS or h[H_META_BYTES] < 0 or len(data) != end + h[H_META_BYTES]:
         raise TaskTableFormatError("task table length disagrees with its header")
+    check_structure(h, data[:end])
+    try:
+        meta = json.loads(data[end:].decode())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise TaskTableFormatError(f"task table metadata is not JSON ({e})") from None
     return LoadedTable(
         device_bytes=data[:end],
         lists_offset=h[H_LISTS_OFFSET],
@@ -88,5 +101,58 @@ def read_table(data: bytes) -> LoadedTable:
         num_lists=h[H_NUM_LISTS],
         num_tasks=h[H_NUM_TASKS],
         num_events=h[H_NUM_EVENTS],
-        meta=json.loads(data[end:].decode()),
+        num_variants=h[H_NUM_VARIANTS],
+        meta=meta if isinstance(meta, dict) else {},
     )
+
+
+def check_structure(h: tuple[int, ...], device: bytes) -> None:
+    """Everything the kernel indexes with stays inside the device part: the regions in order and in
+    bounds, the CSR list offsets, and per task a known opcode, events in range, each wait's expected
+    count equal to its event's count (the kernel compares counters with it) and zero reserved words."""
+    words = array("i", device)  # compact: a full-size table has millions of words
+    if sys.byteorder == "big":
+        words.byteswap()  # the file is little-endian
+    if (h[H_HEADER_WORDS], h[H_TASK_WORDS]) != (HEADER_WORDS, TASK_WORDS):
+        raise TaskTableFormatError(f"header / task words {h[H_HEADER_WORDS]} / {h[H_TASK_WORDS]}, expected {HEADER_WORDS} / {TASK_WORDS}")
+    lists, tasks, events, size = h[H_LISTS_OFFSET], h[H_TASKS_OFFSET], h[H_EVENTS_OFFSET], len(words)
+    n_lists, n_tasks, n_events, n_variants = h[H_NUM_LISTS], h[H_NUM_TASKS], h[H_NUM_EVENTS], h[H_NUM_VARIANTS]
+    if min(n_lists, n_tasks, n_events, n_variants) < 0 or n_lists < 1 or n_variants < 1:
+        raise TaskTableFormatError(f"header counts (lists {n_lists}, tasks {n_tasks}, events {n_events}, variants {n_variants}) out of range")
+    regions = [("list offsets", lists, lists + n_lists + 1), ("tasks", tasks, tasks + n_tasks * TASK_WORDS), ("event counts", events, events + n_events)]
+    previous = HEADER_WORDS
+    for name, begin, stop in regions:
+        if begin < previous or stop > size:
+            raise TaskTableFormatError(f"the {name} (words {begin}..{stop}) overlap another region or lie outside the device part ({size} words)")
+        previous = stop
+    if tasks % TASK_WORDS:
+        raise TaskTableFormatError(f"tasks_offset {tasks} is not {TASK_WORDS * 4}-byte aligned")
+    offsets = words[lists : lists + n_lists + 1]
+    if offsets[0] != 0 or offsets[-1] != n_tasks or any(a > b for a, b in zip(offsets, offsets[1:])):
+        raise TaskTableFormatError(f"list offsets must rise from 0 to num_tasks {n_tasks}")
+    counts = words[events : events + n_events]
+    signals = [0] * n_events
+    for i in range(n_tasks):
+        w = words[tasks + i * TASK_WORDS : tasks + i * TASK_WORDS + W_RESERVED + 1]
+        where = f"task {i} (list {_list_of(offsets, i)})"
+        if not 0 <= w[W_OPCODE] < n_variants:
+            raise TaskTableFormatError(f"{where}: opcode {w[W_OPCODE]} is not one of the {n_variants} variants")
+        for slot, (event, count) in enumerate(((w[W_WAIT0], w[W_COUNT0]), (w[W_WAIT1], w[W_COUNT1]))):
+            if event == NO_EVENT and count == 0:
+                continue
+            if not 0 <= event < n_events or count != counts[event] or count < 1:
+                raise TaskTableFormatError(f"{where}: wait {slot} on event {event} expecting {count} per step "
+                                           f"(events 0..{n_events - 1}; the count must be the event's, {counts[event] if 0 <= event < n_events else '-'})")  # fmt: skip
+        if w[W_SIGNAL] != NO_EVENT:
+            if not 0 <= w[W_SIGNAL] < n_events:
+                raise TaskTableFormatError(f"{where}: signals event {w[W_SIGNAL]}, outside 0..{n_events - 1}")
+            signals[w[W_SIGNAL]] += 1
+        if w[W_FLAGS] or w[W_RESERVED]:
+            raise TaskTableFormatError(f"{where}: reserved words are not zero")
+    if signals != list(counts):
+        event = next(v for v in range(n_events) if signals[v] != counts[v])
+        raise TaskTableFormatError(f"event {event}: its count says {counts[event]} signals per step, the tasks make {signals[event]}")
+
+
+def _list_of(offsets, task: int) -> int:
+    return next(s for s in range(len(offsets) - 1) if offsets[s] <= task < offsets[s + 1])

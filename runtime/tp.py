@@ -38,6 +38,7 @@ from k3mk.runtime import abi
 from k3mk.runtime.model import DecodeModel
 from k3mk.runtime.peer_memory import MEMORY_KINDS
 from k3mk.runtime.tp_group import POLL_S, Hello, TPGroup, TPGroupError, connect
+from k3mk.runtime.tokens import mark_nonfinite
 
 TP_RANK = "tp_rank"  # the step input holding the rank (k3mk.ir.collectives.TP_RANK; a test checks they agree)
 PROBE_S = 1.0  # how long a stall report waits for the kernel's step count
@@ -143,9 +144,10 @@ class TPRank:
             time.sleep(POLL_S)
         return str(int(self._probe[0]))
 
-    def step(self, token_ids, positions) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, token_ids, positions, check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step on every rank (each calls it with the same inputs): (next_tokens int32 [batch],
-        logits [batch, vocab]) on the CPU, whole, on every rank. The ranks' next tokens must agree."""
+        logits [batch, vocab]) on the CPU, whole, on every rank. The ranks' next tokens must agree.
+        NONFINITE_TOKEN (-1) where a request's logits are not finite, as DecodeModel.step."""
         self.launch(token_ids, positions)
         self.wait()
         with self.group.local(f"reading step {self.steps}'s outputs"):
@@ -153,7 +155,10 @@ class TPRank:
                 self.model.mk.check()  # a watchdog that fired in this rank's kernel (WatchdogError)
             tokens = self.model.buffer("next_tokens").cpu()
             logits = self.model.buffer("logits").cpu()
-        return exchange_outputs(self.group, f"step {self.steps}", tokens, logits, self.shards.get("logits"))
+        tokens, logits = exchange_outputs(self.group, f"step {self.steps}", tokens, logits, self.shards.get("logits"))
+        if check_finite:
+            mark_nonfinite(tokens, logits)
+        return tokens, logits
 
     def close(self) -> None:
         """Every rank closes the peers' regions, a barrier, then each frees its own (never after a stall:

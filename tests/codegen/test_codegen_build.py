@@ -16,7 +16,7 @@ from k3mk.codegen.emit import emit_source  # noqa: E402
 from k3mk.codegen.ops import CodegenError, KernelConfig  # noqa: E402
 from k3mk.ir.task_table import ArgmaxParams, GemvParams, OpVariant, RmsnormParams  # noqa: E402
 from k3mk.runtime import abi  # noqa: E402
-from k3mk.runtime.manifest import load_manifest  # noqa: E402
+from k3mk.runtime.manifest import ArtifactError, check_device, load_manifest  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 from megakernel_cases import all_cases  # noqa: E402
@@ -58,12 +58,21 @@ def test_debug_build_has_watchdog(tmp_path, cache):
     assert "globaltimer" in m.file("ptx").read_text()
 
 
-def test_sm100a(tmp_path, cache):
+@pytest.mark.parametrize("arch, capability", [("sm_100a", (10, 0)), ("sm_103a", (10, 3))])
+def test_blackwell(tmp_path, cache, arch, capability):
+    """B200 / GB200 and B300 / GB300 (where K3 is served): built here, accepted by the runtime on exactly
+    that compute capability."""
     case = all_cases()["gemv_b1"]
-    out = build(case.builder.table(), tmp_path / "b", arch="sm_100a")
+    out = build(case.builder.table(), tmp_path / "b", arch=arch)
     m = load_manifest(out)
-    assert m["arch"] == "sm_100a" and m["compute_capability"] == [10, 0] and m["sm_count"] == 148
-    assert ".target sm_100a" in m.file("ptx").read_text()
+    m.check_files()
+    assert m["arch"] == arch and tuple(m["compute_capability"]) == capability and m["sm_count"] == 148
+    assert f".target {arch}" in m.file("ptx").read_text()
+    assert m.read_file("cubin")[:4] == b"\x7fELF"
+    check_device(m, capability, 148, "B-series GPU")
+    for other in {(9, 0), (10, 0), (10, 3)} - {capability}:
+        with pytest.raises(ArtifactError, match=f"artifact built for {arch}"):
+            check_device(m, other, 148)
 
 
 def test_cache_hit_and_corrupt_entry_rebuilt(cache):

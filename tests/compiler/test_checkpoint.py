@@ -262,6 +262,83 @@ def test_no_checkpoint(tmp_path):
         load_checkpoint(kimi_linear_small(), tmp_path)
 
 
+def _plant(t: torch.Tensor, value: float, generator: torch.Generator) -> tuple[torch.Tensor, list[int]]:
+    """A copy of `t` with `value` at a random element; the element's index."""
+    t = t.clone()
+    flat = int(torch.randint(t.numel(), (1,), generator=generator))
+    index = [int(i) for i in torch.unravel_index(torch.tensor(flat), t.shape)]
+    t[tuple(index)] = value
+    return t, index
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("model.layers.1.self_attn.q_proj.weight", float("nan")),  # a NaN in a projection
+        ("model.embed_tokens.weight", float("inf")),  # an Inf in the embedding
+        ("model.layers.0.mlp.down_proj.weight", float("-inf")),
+        ("model.layers.2.self_attn.A_log", float("nan")),  # an fp32 parameter
+    ],
+)
+def test_non_finite_weights_are_refused(kl_copy, name, value):
+    config, _, directory = kl_copy
+    generator = torch.Generator().manual_seed(len(name))
+    index = []
+
+    def plant(t):
+        t[name], found = _plant(t[name], value, generator)
+        index.extend(found)
+
+    rewrite(directory / SINGLE_FILE, plant)
+    stored_index = index if name.endswith(".weight") else [index[2]]  # A_log is stored [1, 1, H, 1], loaded as [H]
+    expected = rf"model\.safetensors: tensor '{re.escape(name)}' holds a non-finite value at {re.escape(str(stored_index))} \({value}; 1 in all\)"
+    with pytest.raises(CheckpointError, match=expected):
+        load_checkpoint(config, directory)
+
+
+def test_values_beyond_bfloat16_are_refused(kl_copy):
+    """An F32 value that is finite but beyond bf16's largest (3.39e38) becomes Inf in the compute dtype: refused there."""
+    config, _, directory = kl_copy
+    name = "model.layers.3.self_attn.o_proj.weight"
+    rewrite(directory / SINGLE_FILE, lambda t: t.update({name: _plant(t[name].float(), 3.4e38, torch.Generator().manual_seed(5))[0]}))  # stored F32
+    load_checkpoint(config, directory, dtype=torch.float32)  # fine in float32
+    with pytest.raises(CheckpointError, match=rf"tensor '{re.escape(name)}' holds a non-finite value"):
+        load_checkpoint(config, directory, dtype=torch.bfloat16)
+
+
+def test_mxfp4_nan_scale_is_refused(tmp_path):
+    """UE8M0 scale byte 0xFF is NaN: the 32 weights of its group would all dequantise to NaN."""
+    config = k3_small()
+    directory = save_checkpoint(config, random_weights(config, seed=2), tmp_path / "ckpt", config_json=CONFIG_JSON)
+    name = "language_model.model.layers.1.block_sparse_moe.experts.3.w2.weight_scale"
+    generator = torch.Generator().manual_seed(9)
+    index = []
+
+    def plant(t):
+        t[name], found = _plant(t[name], 0xFF, generator)
+        index.extend(found)
+
+    rewrite(directory / SINGLE_FILE, plant)
+    expected = rf"tensor '{re.escape(name)}' holds the MXFP4 scale byte 0xff \(UE8M0 NaN\) at {re.escape(str(index))}"
+    with pytest.raises(CheckpointError, match=expected):
+        load_checkpoint(config, directory)
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", "sub/../../x.safetensors"])
+def test_an_index_pointing_outside_is_refused(tmp_path, shard):
+    config = kimi_linear_small()
+    directory = save_checkpoint(config, random_weights(config, seed=0), tmp_path / "ckpt", max_shard_bytes=40_000, config_json=CONFIG_JSON)
+    index = json.loads((directory / INDEX_FILE).read_text())
+    name = sorted(index["weight_map"])[len(shard) % len(index["weight_map"])]
+    outside = (directory / shard).resolve() if not shard.startswith("/") else Path(shard)
+    if not shard.startswith("/"):
+        shutil.copyfile(directory / index["weight_map"][name], outside)  # it exists: only the path is wrong
+    index["weight_map"][name] = shard
+    (directory / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"tensor '{re.escape(name)}' points to shard '{re.escape(shard)}', outside the checkpoint directory"):
+        load_checkpoint(config, directory)
+
+
 # --- equivalent layouts ---------------------------------------------------------------------------
 
 

@@ -5,9 +5,13 @@ and starts without a GPU (tests/runtime/generate_artifact_gpu.sh runs it on one)
 from __future__ import annotations
 
 import json
+import os
+import random
 import re
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from importlib import resources
 
@@ -150,47 +154,136 @@ def test_compile_summary_and_errors(capsys, tmp_path):
     assert err.startswith("k3mk: error:") and "3" in err and "\n" == err[-1] and err.count("\n") == 1
 
 
-def test_inspect_artifact(capsys, tmp_path, monkeypatch):
-    """`k3mk inspect` summarises a built artifact and checks its file hashes; a tampered file is a
-    one-line error."""
-    pytest.importorskip("cutlass", reason="building an artifact needs nvidia-cutlass-dsl (the compile extra)")
-    from k3mk.codegen.build import build
-
+def test_inspect_artifact(capsys, tmp_path):
+    """`k3mk inspect` validates the whole manifest and every file's hash (the ptx too); a tampered file or
+    a malformed manifest is a one-line error."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-    from megakernel_cases import all_cases
+    from fake_artifact import edit_manifest, fake_artifact, model_meta
+
+    out = fake_artifact(tmp_path / "artifact", meta=model_meta())
+    status, text, _ = run(capsys, "inspect", str(out))
+    assert status == 0 and "arch: sm_90a" in text and "max_tokens: 1" in text
+    for role in ("cubin", "ptx", "source", "task_table"):
+        assert re.search(rf"  {role}: \S+ \([\d,]+ bytes, hash ok\)", text), text
+    ptx = next(out.glob("*.ptx"))
+    ptx.write_text(ptx.read_text() + "// edited\n")
+    assert_error(capsys, "inspect", str(out), says=f"{ptx} does not match the hash in its manifest")
+    edit_manifest(out, lambda m: m.pop("files_sha256"))
+    assert_error(capsys, "inspect", str(out), says="manifest.json: field 'files_sha256' is missing")
+    (out / "manifest.json").write_text('{"arch": "sm_90a", ')
+    assert_error(capsys, "inspect", str(out), says="manifest.json: not a readable JSON manifest")
+    assert_error(capsys, "inspect", str(tmp_path), says="has no manifest.json: not a k3mk artifact")
+
+
+# --- limits and bad inputs found before any work ---------------------------------------------------
+
+
+def test_help_states_the_cache_and_the_limits(capsys):
+    status, out, _ = run(capsys, "--help")
+    assert status == 0 and "K3MK_CACHE_DIR" in out and "~/.cache/k3mk" in out
+    status, out, _ = run(capsys, "compile", "--help")
+    flat = " ".join(out.split())
+    assert status == 0 and "$K3MK_CACHE_DIR" in flat and "--max-tokens 1 to 16" in flat
+    assert "sm_103a (B300 / GB300)" in flat and "{sm_90a,sm_100a,sm_103a}" in flat
+
+
+def test_generate_limits(capsys, tmp_path, checkpoint):
+    args = ["generate", "--model", "k3-tiny", "--checkpoint", str(checkpoint), "--prompt", "5,9"]
+    assert_error(capsys, *args, "--steps", "2", "--threads", str(100000), says=f"argument --threads: must be at most {os.cpu_count()}")
+    start = time.monotonic()
+    assert_error(capsys, *args, "--steps", "4095", says="len(--prompt) + --steps = 4097 tokens exceed the 4096 of context k3-tiny supports")
+    # kimi-k3's weights alone are terabytes: refused before loading (an empty checkpoint directory is never read)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_error(capsys, "generate", "--model", "kimi-k3", "--checkpoint", str(empty), "--prompt", "1", "--steps", "1",
+                 says="--steps: 2 tokens of context need")  # fmt: skip
+    assert time.monotonic() - start < 10, "the limits must be checked before the checkpoint is loaded"
+
+
+def test_generate_reports_non_finite_logits(capsys, tmp_path, checkpoint):
+    """Finite but huge lm_head rows overflow their logits to Inf: the step reports it instead of a token."""
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "huge-head"
+    shutil.copytree(checkpoint, broken)
+    tensors = load_file(broken / "model.safetensors")
+    rows = torch.randperm(4096, generator=torch.Generator().manual_seed(4))[:3]
+    head = tensors["language_model.lm_head.weight"].clone()
+    head[rows] = 3.0e38  # finite in bf16 (max 3.39e38); the weights check passes
+    tensors["language_model.lm_head.weight"] = head
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    argv = ["generate", "--model", "k3-tiny", "--checkpoint", str(broken), "--prompt", "17,4", "--steps", "3"]
+    assert_error(capsys, *argv, says="decode step 2 (position 1) produced non-finite logits (NaN or Inf) instead of token 1 of 3")
+
+
+def test_compile_option_errors_come_first(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("K3MK_CACHE_DIR", str(tmp_path / "cache"))
+    start = time.monotonic()
+    assert_error(capsys, "compile", "--model", "k3-tiny", "--tp", "2", "--show-rank", "2", says="--show-rank 2: ranks are 0..1 at --tp 2")
+    assert_error(capsys, "compile", "--model", "k3-tiny", "--tp", "0", says="argument --tp: must be at least 1")
+    assert_error(capsys, "compile", "--model", "k3-tiny", "--max-tokens", "2048", says="--max-tokens 2048: the megakernel runs 1 to 16 tokens per step")
+    assert_error(capsys, "compile", "--model", "k3-tiny", "--profile", says="--profile applies to the artifact build: give --out")
+    assert_error(capsys, "compile", "--model", "k3-tiny", "--out", str(tmp_path / "o"), "--until", "fuse", says="--until fuse: an artifact (--out) needs every pass")
+    assert_error(capsys, "compile", "--model", "k3-tiny", "--arch", "sm_89", says="argument --arch: invalid choice: 'sm_89'")
+    a_file = tmp_path / "a-file"
+    a_file.write_text(str(random.random()))
+    assert_error(capsys, "compile", "--model", "k3-tiny", "--dump", str(a_file / "ir"), says=f"--dump {a_file / 'ir'} is not a writable directory")
+    # --out: a directory holding other files is refused before the pipeline, and left as it was
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    assert_error(capsys, "compile", "--model", "k3-tiny", "--out", str(user), says=f"--out {user}: is not a k3mk artifact (e.g. 'notes.txt'); refusing")
+    assert sorted(p.name for p in user.iterdir()) == ["notes.txt"]
+    assert_error(capsys, "compile", "--model", "k3-tiny", "--out", str(a_file), says=f"--out {a_file}: exists and is not a directory")
+    monkeypatch.setenv("K3MK_CACHE_DIR", str(a_file))
+    assert_error(capsys, "compile", "--model", "k3-tiny", "--out", str(tmp_path / "new"), says="the compile cache ($K3MK_CACHE_DIR, default ~/.cache/k3mk):")
+    assert time.monotonic() - start < 5, "option errors must come before the capture"
+
+
+def test_compile_without_the_compile_extra(capsys, tmp_path, monkeypatch):
+    """Without CuTe DSL, `--out` is refused before the passes run (not a traceback after them)."""
+
+    class NoCutlass:
+        def find_spec(self, name, path=None, target=None):
+            if name == "cutlass" or name.startswith("cutlass."):
+                raise ModuleNotFoundError(f"No module named {name!r}")
 
     monkeypatch.setenv("K3MK_CACHE_DIR", str(tmp_path / "cache"))
-    out = build(all_cases()["gemv_b1"].builder.table(), tmp_path / "artifact", arch="sm_90a")
-    assert main(["inspect", str(out)]) == 0
-    text = capsys.readouterr().out
-    assert "arch: sm_90a" in text and "cubin" in text and "hash ok" in text
-    cubin = next(out.glob("*.cubin"))
-    blob = bytearray(cubin.read_bytes())
-    blob[len(blob) // 2] ^= 0xFF
-    cubin.write_bytes(bytes(blob))
-    assert main(["inspect", str(out)]) == 2
-    assert "does not match the hash" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "meta_path", [NoCutlass(), *sys.meta_path])
+    monkeypatch.delitem(sys.modules, "cutlass", raising=False)
+    start = time.monotonic()
+    assert_error(capsys, "compile", "--model", "k3-tiny", "--out", str(tmp_path / "art"),
+                 says="k3mk compile --out needs nvidia-cutlass-dsl (the compile extra): pip install 'k3mk[compile]'")  # fmt: skip
+    assert time.monotonic() - start < 5 and not (tmp_path / "art").exists()
+
+
+def test_the_token_limit_is_refused_before_torch_loads():
+    script = ("import sys; from k3mk.compiler.cli import main; status = main(sys.argv[1:]); "
+              "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(status)")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", script, "compile", "--model", "k3-tiny", "--max-tokens", "2048"], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr == "k3mk: error: --max-tokens 2048: the megakernel runs 1 to 16 tokens per step (requests x (1 + draft tokens))\n", proc.stderr
 
 
 # --- generate --artifact ----------------------------------------------------------------------------
 
 
-def fake_artifact(directory: Path, **fields) -> Path:
-    """A manifest with what `generate --artifact` reads before it needs a GPU (k3-tiny at TP2)."""
+def tp2_artifact(directory: Path, **fields) -> Path:
+    """A schema-valid artifact of k3-tiny at TP2 (a stand-in kernel: what `generate --artifact` reads
+    before it needs a GPU)."""
     from k3mk.compiler.config import load_config
-    from k3mk.runtime import abi
-    from k3mk.runtime.table import FORMAT_VERSION
 
-    data = {"manifest_version": 1, "abi_version": abi.ABI_VERSION, "task_table_format": FORMAT_VERSION, "params": abi.params_json(),
-            "control_words": abi.CONTROL_WORDS, "debug_words_per_cta": abi.DEBUG_WORDS, "model": "k3-tiny",
-            "config_hash": load_config("k3-tiny").hash(), "tp": 2, "max_context": 16, **fields}  # fmt: skip
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "manifest.json").write_text(json.dumps(data))
-    return directory
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+    from fake_artifact import edit_manifest, fake_artifact, model_meta
+
+    art = fake_artifact(directory, meta=model_meta(max_context=16))
+    changes = {"model": "k3-tiny", "config_hash": load_config("k3-tiny").hash(), "tp": 2, "tp_shards": {},
+               "comm": {"ranks": 2, "events": 1, "half": 16, "nbytes": 288}, **fields}  # fmt: skip
+    edit_manifest(art, lambda m: m.update(changes))
+    return art
 
 
 def test_generate_artifact_errors(capsys, tmp_path, checkpoint):
-    art = str(fake_artifact(tmp_path / "art"))
+    art = str(tp2_artifact(tmp_path / "art"))
     args = ["generate", "--artifact", art, "--random-weights", "0", "--prompt", "1,2", "--steps"]
     assert_error(capsys, *args, "2", "--tp", "4", says=f"--tp 4: the artifact {art} is compiled for tp 2")
     assert_error(capsys, *args, "15", says="need a context of 17 tokens; the artifact holds 16")
@@ -200,7 +293,7 @@ def test_generate_artifact_errors(capsys, tmp_path, checkpoint):
     assert_error(capsys, *args, "2", "--deadline", "0", says="argument --deadline: must be more than 0 seconds")
     assert_error(capsys, *args[:3], "--checkpoint", str(tmp_path / "absent"), *args[5:], "2", says="no such directory")
     assert_error(capsys, *args[:3], "--random-weights", "0", "--prompt", "1,4096", "--steps", "1", says="token id 4096 is out of range")
-    fake_artifact(tmp_path / "other", model="my-model")
+    tp2_artifact(tmp_path / "other", model="my-model")
     assert_error(capsys, *args[:2], str(tmp_path / "other"), *args[3:], "2", says="compiled for model 'my-model', which is not a preset")
     reference = ["generate", "--model", "k3-tiny", "--checkpoint", str(checkpoint), "--prompt", "1", "--steps", "1"]
     assert_error(capsys, *reference, "--check", says="--check applies to a compiled artifact: give --artifact DIR")
@@ -210,7 +303,7 @@ def test_generate_artifact_errors(capsys, tmp_path, checkpoint):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
 def test_generate_artifact_without_gpu(capsys, tmp_path):
-    args = ["generate", "--artifact", str(fake_artifact(tmp_path / "art")), "--random-weights", "0", "--prompt", "1", "--steps", "1"]
+    args = ["generate", "--artifact", str(tp2_artifact(tmp_path / "art")), "--random-weights", "0", "--prompt", "1", "--steps", "1"]
     assert_error(capsys, *args, says="--artifact: the megakernel runs on a CUDA GPU, and torch sees none")
 
 
@@ -225,7 +318,7 @@ def test_generate_with_random_weights_equals_their_checkpoint(capsys, checkpoint
 def test_ranks_are_started_and_their_status_gathered(tmp_path, capfd):
     from k3mk.compiler import tp_launch
 
-    art = fake_artifact(tmp_path / "art")
+    art = tp2_artifact(tmp_path / "art")
     lines: list[str] = []
     assert tp_launch.run_ranks(["inspect", str(art)], 2, grace_s=30, say=lines.append) == 0
     assert capfd.readouterr().out.count(f"artifact {art}") == 2 and lines[0].startswith("started 2 processes")

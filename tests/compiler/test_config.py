@@ -325,3 +325,57 @@ def test_load_config_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(k3_tiny(hidden_act="gelu")))
     with pytest.raises(ConfigError, match=r"config\.json: field 'text_config\.hidden_act'.*'gelu'"):
         load_config(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "field, value, expected",
+    [
+        ("rms_norm_eps", -1, "a number > 0"),
+        ("rms_norm_eps", 0, "a number > 0"),
+        ("rms_norm_eps", float("nan"), "a finite number"),
+        ("rms_norm_eps", float("inf"), "a finite number"),
+        ("routed_scaling_factor", -2.5, "a number > 0"),
+        ("routed_scaling_factor", float("nan"), "a finite number"),
+        ("activation_situ_beta", 0.0, "a number > 0"),
+        ("activation_situ_linear_beta", float("-inf"), "a finite number"),
+    ],
+)
+def test_non_finite_and_out_of_range_numbers(field, value, expected):
+    """JSON admits NaN and Infinity (Python writes and reads them); a config with them, or with a
+    non-positive epsilon or scale, would make every logit NaN: refused, naming the field."""
+    text = json.dumps(k3_tiny(**{field: value}))  # through JSON text, as from a file
+    check_error(json.loads(text), f"'text_config.{field}'", expected)
+    d = k3_tiny()
+    d["text_config"]["linear_attn_config"]["gate_lower_bound"] = float("nan")
+    check_error(json.loads(json.dumps(d)), "'text_config.linear_attn_config.gate_lower_bound'", "a finite number")
+
+
+def test_the_models_own_context_limit():
+    assert load_config("kimi-k3").max_context == 1048576 and load_config("k3-tiny").max_context == 4096
+    assert load_config("kimi-linear-48b-a3b").max_context == 1048576  # model_max_length, transformers' name
+    d = preset_json("kimi-linear-tiny")
+    d["max_position_embeddings"] = 2048  # the alias, disagreeing with model_max_length 4096
+    check_error(d, "'max_position_embeddings'", "2048", "'model_max_length'", "4096")
+    d = k3_tiny()
+    del d["text_config"]["max_position_embeddings"]
+    c = parse_config(d)
+    assert c.max_context is None and c.hash() == load_config("k3-tiny").hash()  # not part of the compiled step
+
+
+def test_transformers_linear_attn_config_without_mla_use_nope(tmp_path):
+    """transformers' KimiLinearConfig built from a `linear_attn_config` dict saves that dict and no
+    `mla_use_nope` (its MLA is always NoPE): it parses, to the same model as the explicit form."""
+    transformers = pytest.importorskip("transformers")
+    lin = {"head_dim": 64, "num_heads": 4, "short_conv_kernel_size": 4, "kda_layers": [1, 2, 4], "full_attn_layers": [3]}
+    hf = transformers.KimiLinearConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=384, moe_intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=None, qk_rope_head_dim=16,
+        qk_nope_head_dim=32, v_head_dim=32, num_local_experts=8, num_experts_per_tok=2, linear_attn_config=lin,
+    )  # fmt: skip
+    hf.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert "linear_attn_config" in saved and "mla_use_nope" not in saved
+    c = load_config(tmp_path)
+    assert c.layer_kinds == ("kda", "kda", "mla", "kda") and (c.kda.num_heads, c.kda.head_dim) == (4, 64)
+    assert same_model(c, parse_config({**saved, "mla_use_nope": True}))
+    check_error({**saved, "mla_use_nope": False}, "'mla_use_nope'", "false", "NoPE")

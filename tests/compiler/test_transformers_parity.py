@@ -16,6 +16,7 @@ so k3mk's recurrence is checked against both of transformers' formulations.
 
 from __future__ import annotations
 
+import json
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,14 +42,15 @@ MIN_TOP2_GAP = 1e-3
 # Two configs that exercise different shapes and paths. Both end with an MLA layer, as the published
 # models do, and put layer types out of the every-fourth pattern so the 1-based lists are exercised.
 CASES = {
-    # odd sizes everywhere: hidden 72, 3 KDA heads of 16, 3 MLA heads, vocab 131; plain q_proj
+    # odd sizes everywhere: hidden 72, 3 KDA heads of 16, 3 MLA heads, vocab 131; plain q_proj. The KDA
+    # fields as the published `linear_attn_config` dict, which save_pretrained writes back WITHOUT
+    # `mla_use_nope` (transformers' MLA is always NoPE): k3mk must load that as it is.
     "odd": dict(
         vocab_size=131, hidden_size=72, intermediate_size=100, moe_intermediate_size=40, num_hidden_layers=4,
-        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        linear_attn_config=dict(kda_layers=[1, 3], full_attn_layers=[2, 4], num_heads=3, head_dim=16, short_conv_kernel_size=4),
         mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
         num_attention_heads=3, num_key_value_heads=3, q_lora_rank=None, kv_lora_rank=24,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-        linear_num_heads=3, linear_head_dim=16, linear_conv_kernel_dim=4,
         num_local_experts=6, num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=2.446,
     ),
     # q-LoRA, two dense layers, two shared experts, conv kernel 3, no top-k renormalization
@@ -101,6 +103,7 @@ class Case:
     over the prompt, its greedy generation (tokens and per-step logits), and how often each of its KDA
     code paths ran in the forward and in generate."""
 
+    name: str  # in CASES
     model: torch.nn.Module
     directory: Path
     prompt: torch.Tensor  # [PROMPT_LENGTH]
@@ -161,6 +164,7 @@ def case(request, tmp_path_factory) -> Case:
                 return_dict_in_generate=True, output_logits=True,
             )  # fmt: skip
     return Case(
+        name=request.param,
         model=model,
         directory=directory,
         prompt=prompt,
@@ -200,7 +204,10 @@ def in_transformers_layout(weights: dict[str, torch.Tensor]) -> dict[str, torch.
 
 
 def test_weights_round_trip(case):
-    """k3mk reads back exactly the tensors transformers holds: every one, bit for bit."""
+    """k3mk reads back exactly the tensors transformers holds: every one, bit for bit (with the config
+    transformers saved, whichever form its KDA fields took)."""
+    saved = json.loads((case.directory / "config.json").read_text())
+    assert ("linear_attn_config" in saved) == ("linear_attn_config" in CASES[case.name]) and "mla_use_nope" not in saved
     config = load_config(case.directory)
     ours = in_transformers_layout(load_checkpoint(config, case.directory))
     theirs = case.model.state_dict()

@@ -3,6 +3,7 @@ and the Chrome trace, against values computed by hand (the comments show the ari
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -264,5 +265,6 @@ def test_timeline_of_reads_the_ring_and_task_bytes(tmp_path):
     mk.control = torch.zeros(abi.CONTROL_WORDS, dtype=torch.int64)
     mk.control[abi.C_EPOCH] = STEP
     (tmp_path / TASK_BYTES_FILE).write_text(json.dumps(TASK_BYTES))
-    mk.manifest = Manifest(tmp_path, {"files": {TASK_BYTES_FILE: TASK_BYTES_FILE}})
+    digest = hashlib.sha256((tmp_path / TASK_BYTES_FILE).read_bytes()).hexdigest()  # every file is read against its hash
+    mk.manifest = Manifest(tmp_path, {"files": {TASK_BYTES_FILE: TASK_BYTES_FILE}, "files_sha256": {TASK_BYTES_FILE: digest}})
     assert Timeline.of(mk) == Timeline.from_records(loaded_table(), records(), STEP, TASK_BYTES)

@@ -45,8 +45,9 @@ def test_runtime_imports_no_compiler_package():
 def test_reader_constants_agree_with_the_format():
     assert (table.FORMAT_VERSION, table.MAGIC, table.HEADER_WORDS, table.TASK_WORDS) == (
         tt.FORMAT_VERSION, tt.MAGIC, tt.HEADER_WORDS, tt.TASK_WORDS)  # fmt: skip
-    for name in ("H_MAGIC", "H_VERSION", "H_NUM_LISTS", "H_NUM_TASKS", "H_NUM_EVENTS", "H_LISTS_OFFSET",
-                 "H_TASKS_OFFSET", "H_DEVICE_WORDS", "H_META_BYTES", "W_OPCODE", "W_WAIT0", "W_WAIT1", "W_SIGNAL", "NO_EVENT"):  # fmt: skip
+    for name in ("H_MAGIC", "H_VERSION", "H_HEADER_WORDS", "H_TASK_WORDS", "H_NUM_LISTS", "H_NUM_TASKS", "H_NUM_EVENTS",
+                 "H_NUM_VARIANTS", "H_LISTS_OFFSET", "H_TASKS_OFFSET", "H_EVENTS_OFFSET", "H_DEVICE_WORDS", "H_META_BYTES",
+                 "W_OPCODE", "W_WAIT0", "W_COUNT0", "W_WAIT1", "W_COUNT1", "W_SIGNAL", "W_FLAGS", "W_RESERVED", "NO_EVENT"):  # fmt: skip
         assert getattr(table, name) == getattr(tt, name), name
 
 
