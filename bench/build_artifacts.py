@@ -29,7 +29,7 @@ def parse_variant(text: str) -> tuple[str, dict[str, int], bool]:
     unknown = set(options) - set(KERNEL_TUNING)
     if unknown:
         raise SystemExit(f"--variant {text!r}: unknown knobs {sorted(unknown)}; known: {', '.join(KERNEL_TUNING)} and profile=1")
-    return name, options, ("profile", "", "1") in items
+    return name, options, ("profile", "=", "1") in items
 
 
 def main() -> int:

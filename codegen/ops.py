@@ -62,7 +62,6 @@ class KernelConfig:
     ring_bytes: int = 0
     records: int = 16
     gemv_unroll: int = 0  # 16-byte vectors per lane per loop trip of the dot loops (0: the default, 4)
-    l2_lookahead: int = 0  # the producer prefetches into L2 the gemv weights of the task this many ahead (0: off)
 
     @property
     def warps(self) -> int:
@@ -73,7 +72,7 @@ class KernelConfig:
         return self.threads + PRODUCER_THREADS
 
 
-KERNEL_TUNING = ("slot_bytes", "ring_bytes", "records", "gemv_unroll", "l2_lookahead")  # `k3mk compile --kernel-option` knobs
+KERNEL_TUNING = ("slot_bytes", "ring_bytes", "records", "gemv_unroll")  # `k3mk compile --kernel-option` knobs
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ the same offsets from the params with the same formulas (keep the two in step).
 from __future__ import annotations
 
 from k3mk.codegen.ops import VECTOR_ELEMENTS, X_SMEM_BUDGET, CodegenError, OpCodegen, _check_batch, _require
+from k3mk.ir.streaming import ACCUMULATOR_BUDGET
 from k3mk.ir.task_table import (
     ExpertCombineParams,
     ExpertGatedParams,
@@ -91,7 +92,9 @@ def _check_expert_combine(p: ExpertCombineParams) -> None:
 
 
 def _expert_combine_smem(p: ExpertCombineParams) -> int:
-    return p.top_k * p.in_features * 2  # one request's slot inputs at a time
+    # one request's slot inputs at a time, then bf16(dot) per slot of one row group (at most
+    # ACCUMULATOR_BUDGET rows: ir/streaming.py) in fp32
+    return p.top_k * p.in_features * 2 + p.top_k * ACCUMULATOR_BUDGET * 4
 
 
 # ---- MLA ------------------------------------------------------------------------------------

@@ -13,8 +13,8 @@ so each stream of a fill is ONE bulk copy of contiguous bytes. A task's fills co
   expert_gated    for b in batch: for g in groups: for c in chunks                 (expert ids[b, slot])
   expert_combine  for b in batch: for g in groups: for j in top_k: for c in chunks (expert ids[b, j])
 
-and fill (b, g, ...) belongs to consumer warp (b * groups + g) % warps, or g % warps for
-expert_combine (whose requests run one after another, the input restaged per request). A warp
+and fill (b, g, ...) belongs to consumer warp (b * groups + g) % warps, or, in expert_combine (whose
+requests and row groups run one after another, a barrier between them), slot j's to warp j % warps. A warp
 consumes its fills in order and releases each one before it reaches any CTA barrier; that, and a
 producer that waits only on events its task's consumers wait on too, is why the ring cannot deadlock
 (the argument is in TaskTable.check_deadlock_free).
@@ -112,7 +112,7 @@ class FillPlan:
             return [g % warps for g in range(groups) for _ in range(self.chunks)]
         if self.op == "expert_gated":
             return [(b * groups + g) % warps for b in range(self.batch) for g in range(groups) for _ in range(self.chunks)]
-        return [g % warps for _ in range(self.batch) for g in range(groups) for _ in range(self.top_k) for _ in range(self.chunks)]
+        return [j % warps for _ in range(self.batch) for _ in range(groups) for j in range(self.top_k) for _ in range(self.chunks)]
 
 
 def _bf16(operand: str) -> Stream:
