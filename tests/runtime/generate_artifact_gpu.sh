@@ -34,7 +34,7 @@ run() {  # name, limit in seconds, command...
 }
 
 run tiny_tp1 200 "${K3MK[@]}" generate --artifact $A/model_k3-tiny_b1 --random-weights 0 --prompt 17,4095,1234 --steps 48 --check
-run proxy_tp1 580 "${K3MK[@]}" generate --artifact $A/model_k3-proxy-16l_b1_ctx128 --random-weights 0 --prompt 9000,17,123456 --steps 48 --check
+run proxy_tp1 240 "${K3MK[@]}" generate --artifact $A/model_k3-proxy-16l_b1_ctx128 --random-weights 0 --prompt 9000,17,123456 --steps 48 --check
 run ipc_one_gpu 150 python -m pytest -m gpu -q -s tests/runtime/test_tp_ipc_gpu.py
 run tiny_tp2_one_gpu 240 "${K3MK[@]}" generate --artifact $A/model_k3-tiny_b1_tp2 --random-weights 0 --prompt 17,4095,1234 --steps 16 --check \
   --gpus 0,0 --deadline 30 --setup-deadline 120
