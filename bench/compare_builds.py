@@ -1,4 +1,4 @@
-"""Several builds of ONE model (e.g. release vs `--weight-stream` variants) on the same GPU weights: do they
+"""Several builds of ONE model (e.g. `--kernel-option` variants, or two commits' builds) on the same GPU weights: do they
 compute the same step, and how fast is each?
 
     python bench/compare_builds.py OUT_JSON ARTIFACT_DIR [ARTIFACT_DIR ...]
@@ -7,7 +7,7 @@ All artifacts must be of the same model, batch and max context. Random weights a
 once (`random_weights(config, 0, bf16, "cuda")`) and bound by every build; each build runs STEPS steps
 from zeroed decode state with the same token ids (the first build's greedy tokens fed back) at positions
 0, 1, ...; the logits of every step are compared bit for bit with the first build's (builds that differ
-only in how weights reach the SM, like the weight-streaming GEMV, run the same arithmetic in the same
+only in how weights reach the SM, like ring and slot sizes, run the same arithmetic in the same
 order). Then the step time: bench/timeline.py's step_time_us (the mean of 50 eager steps after 3 untimed).
 """
 

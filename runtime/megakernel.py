@@ -233,8 +233,8 @@ class Megakernel:
 
     def _ring_barrier(self, offset: int, index: int) -> str:
         """What a ring watchdog record's barrier (its byte offset in shared memory) hands over."""
-        ring = self.manifest.data.get("ring", {})
-        slots, records, base = ring.get("slots", 0), ring.get("records", 0), ring.get("barrier_offset", 0)
+        ring = self.manifest["ring"]  # required by the schema
+        slots, records, base = ring["slots"], ring["records"], ring["barrier_offset"]
         which = (offset - base) // 8
         kinds = (("the consumers waiting for fill", slots), ("the producer waiting for a free slot for fill", slots),
                  ("the consumers waiting for the record of task", records), ("the producer waiting for the record slot of task", records))  # fmt: skip

@@ -134,25 +134,26 @@ def check_structure(h: tuple[int, ...], device: bytes) -> None:
     signals = [0] * n_events
     for i in range(n_tasks):
         w = words[tasks + i * TASK_WORDS : tasks + i * TASK_WORDS + W_RESERVED + 1]
-        where = f"task {i} (list {_list_of(offsets, i)})"
         if not 0 <= w[W_OPCODE] < n_variants:
-            raise TaskTableFormatError(f"{where}: opcode {w[W_OPCODE]} is not one of the {n_variants} variants")
+            raise TaskTableFormatError(f"{_where(offsets, i)}: opcode {w[W_OPCODE]} is not one of the {n_variants} variants")
         for slot, (event, count) in enumerate(((w[W_WAIT0], w[W_COUNT0]), (w[W_WAIT1], w[W_COUNT1]))):
             if event == NO_EVENT and count == 0:
                 continue
             if not 0 <= event < n_events or count != counts[event] or count < 1:
-                raise TaskTableFormatError(f"{where}: wait {slot} on event {event} expecting {count} per step "
+                raise TaskTableFormatError(f"{_where(offsets, i)}: wait {slot} on event {event} expecting {count} per step "
                                            f"(events 0..{n_events - 1}; the count must be the event's, {counts[event] if 0 <= event < n_events else '-'})")  # fmt: skip
         if w[W_SIGNAL] != NO_EVENT:
             if not 0 <= w[W_SIGNAL] < n_events:
-                raise TaskTableFormatError(f"{where}: signals event {w[W_SIGNAL]}, outside 0..{n_events - 1}")
+                raise TaskTableFormatError(f"{_where(offsets, i)}: signals event {w[W_SIGNAL]}, outside 0..{n_events - 1}")
             signals[w[W_SIGNAL]] += 1
         if w[W_FLAGS] or w[W_RESERVED]:
-            raise TaskTableFormatError(f"{where}: reserved words are not zero")
+            raise TaskTableFormatError(f"{_where(offsets, i)}: reserved words are not zero")
     if signals != list(counts):
         event = next(v for v in range(n_events) if signals[v] != counts[v])
         raise TaskTableFormatError(f"event {event}: its count says {counts[event]} signals per step, the tasks make {signals[event]}")
 
 
-def _list_of(offsets, task: int) -> int:
-    return next(s for s in range(len(offsets) - 1) if offsets[s] <= task < offsets[s + 1])
+def _where(offsets, task: int) -> str:
+    """A bad task's name for the error (only then: finding its list scans the offsets)."""
+    cta = next(s for s in range(len(offsets) - 1) if offsets[s] <= task < offsets[s + 1])
+    return f"task {task} (list {cta})"

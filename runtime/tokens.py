@@ -2,7 +2,7 @@
 request's logits are not all finite. A NaN or an Inf anywhere in a row makes its argmax meaningless
 (all-NaN logits give token 0, which looks like a normal token), so the step reports the row instead.
 Shared by the reference generation (k3mk.compiler.generate) and the megakernel runtime (DecodeModel,
-TPDecodeModel), so the two report alike."""
+TPRank), so the two report alike."""
 
 from __future__ import annotations
 

@@ -167,6 +167,16 @@ def test_a_garbage_table_with_a_matching_hash_is_refused(art, corrupt, fragments
     refused(art, "task_table.bin: ", *fragments)
 
 
+def test_a_bad_task_is_named_with_its_list(art):
+    """The refusal names the task and the CTA list it sits in (found from the table's list offsets)."""
+    data = (art / "task_table.bin").read_bytes()
+    offsets = struct.unpack_from(f"<{load_artifact(art)[1].num_lists + 1}i", data, 4 * _word(bytearray(data), tt.H_LISTS_OFFSET))
+    cta = next(c for c in range(len(offsets) - 1) if offsets[c + 1] - offsets[c] >= 2 and c > 0)
+    task = offsets[cta] + 1  # the second task of a list other than the first
+    _rewrite_table(art, lambda d: _word(d, _task_word(d, task, tt.W_OPCODE), 77))
+    refused(art, f"task {task} (list {cta}): opcode 77")
+
+
 def test_signal_counts_must_match_the_tasks(art):
     """A task that signals another (valid) event than the one its count was derived for."""
     def change(d):
