@@ -319,7 +319,12 @@ def run_cell(bench: Bench, config, baseline, model, artifact: tuple[int, Path] |
         row[f"{name}_median_us"], row[f"{name}_p90_us"], row[f"{name}_fraction_of_roofline"] = med, p90, roofline_us / med
     if model is not None:
         row["speedup"] = row["baseline_median_us"] / row["megakernel_median_us"]
+        # the compiler's replay of this build (ir/replay.py; its max-context chunk bytes, so it errs slow below it)
+        predicted = model.mk.manifest.data.get("predicted_step_s")
+        row["megakernel_predicted_us"] = predicted * 1e6 if predicted is not None else None
     mk = f"megakernel {row['megakernel_median_us']:.0f} us ({row['megakernel_fraction_of_roofline']:.0%}), " if model is not None else ""
+    if row.get("megakernel_predicted_us"):
+        mk += f"predicted {row['megakernel_predicted_us']:.0f} us, "
     bench.say(f"{config.name} b{batch} t{context}: {mk}baseline {row['baseline_median_us']:.0f} us "
               f"({row['baseline_fraction_of_roofline']:.0%}), roofline {roofline_us:.0f} us; {replays} replays")  # fmt: skip
     return row
@@ -387,14 +392,16 @@ def markdown_rows(result: dict) -> list[str]:
 
     lines = [
         "| model | batch | context | artifact max context | megakernel median / p90 (µs) | baseline median / p90 (µs) | roofline (µs) "
-        "| megakernel % of roofline | baseline % of roofline | speedup (baseline / megakernel) | distinct experts per step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| megakernel % of roofline | baseline % of roofline | speedup (baseline / megakernel) | distinct experts per step "
+        "| replay's prediction (µs) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         speedup = f"{r['speedup']:.2f}x" if r.get("speedup") else "—"
+        predicted = f"{r['megakernel_predicted_us']:,.0f}" if r.get("megakernel_predicted_us") else "—"
         lines.append(f"| {r['model']} | {r['batch']} | {r['context']} | {r['artifact_max_context'] or '—'} | {us(r, 'megakernel')} "
                      f"| {us(r, 'baseline')} | {r['roofline_us']:,.0f} | {pct(r, 'megakernel')} | {pct(r, 'baseline')} | {speedup} "
-                     f"| {r['distinct_experts']:.0f} |")  # fmt: skip
+                     f"| {r['distinct_experts']:.0f} | {predicted} |")  # fmt: skip
     return lines
 
 

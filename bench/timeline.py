@@ -12,6 +12,9 @@ P + W, ..., each request at the same position, greedy tokens fed back. Writes in
     summary.json    per step: k3mk.runtime.profile.summarize (time per interval and op kind, bytes and
                     bandwidth, event hand-off latency), the record violations, and the step times
     summary.txt     the same as text
+    records.pt      the raw per-task records of every recorded step (torch.save: {"fields": PROFILE_FIELDS,
+                    "steps": [int64 [tasks, fields]], "positions": [...]}, global task index order), which
+                    bench/calibrate.py fits the replay's constants to (ir/replay.py), on any machine
 
 Step times are CUDA-event means over 50 eager steps of the profile build and, with --release DIR (the same
 model built without --profile), of the release build: their ratio is the cost of profiling.
@@ -55,6 +58,7 @@ def main() -> None:
 
     from k3mk.compiler.config import load_config
     from k3mk.compiler.random_weights import random_weights
+    from k3mk.runtime import abi
     from k3mk.runtime.model import DecodeModel
     from k3mk.runtime.profile import Timeline, chrome_trace, format_summary, summarize
 
@@ -82,10 +86,11 @@ def main() -> None:
             position += 1
         torch.cuda.synchronize()
         rec["setup_s"] = round(time.perf_counter() - t0, 2)
-        trace_events, texts = [], []
+        trace_events, texts, raw = [], [], []
         for _ in range(args.steps):
             tokens.copy_(model.step(tokens, torch.full_like(tokens, position), check_finite=False)[0])
             torch.cuda.synchronize()
+            raw.append(model.mk.profile_records())
             tl = Timeline.of(model.mk)
             summary = summarize(tl)
             violations = tl.violations()
@@ -103,12 +108,14 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "trace.json.gz").write_bytes(gzip.compress(json.dumps({"traceEvents": trace_events, "displayTimeUnit": "ns"}).encode()))
     (args.out / "summary.json").write_text(json.dumps(rec, indent=1))
+    positions = [st["position"] for st in rec["steps"]]
+    torch.save({"fields": list(abi.PROFILE_FIELDS), "steps": raw, "positions": positions}, args.out / "records.pt")
     timing = f"step time (mean of {TIMED_STEPS} eager steps at position {position}): profile build {rec['profile_step_us']:.1f} us"
     if args.release:
         timing += f", release build {rec['release_step_us']:.1f} us (profiling costs {rec['profile_overhead'] * 100:+.1f}%)"
     (args.out / "summary.txt").write_text("\n".join(texts) + "\n" + timing + "\n")
     print("\n".join(texts) + "\n" + timing)
-    print(f"wrote {args.out}/trace.json.gz, summary.json, summary.txt")
+    print(f"wrote {args.out}/trace.json.gz, summary.json, summary.txt, records.pt")
 
 
 if __name__ == "__main__":

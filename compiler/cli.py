@@ -458,7 +458,7 @@ def _add_compile(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Capture MODEL's decode step and run the compile pipeline (tensor-parallel sharding, fusion, "
             "tiling, memory plan, events and their static check, per-SM schedule, task table). Prints a summary: "
-            "the decode state per rank, tasks and bytes per SM, the cost model's predicted step time and the roofline "
+            "the decode state per rank, tasks and bytes per SM, the predicted step time (sm_90a: a replay of the streaming loop with H200 constants) and the roofline "
             "at the target's NOMINAL bandwidth. With --dump, writes the IR after every pass and the schedule; with --out, "
             "writes the compiled artifact (written whole or not at all; an existing artifact there is replaced as a whole, "
             "a directory holding anything else is refused).\n\n"

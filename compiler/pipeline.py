@@ -113,9 +113,10 @@ def compile_graph(
     return CompileResult(target, graph, seconds, run, kept["tp_shard"], state, missing, skipped)
 
 
-def summary(result: CompileResult) -> str:
+def summary(result: CompileResult, replayed=None) -> str:
     """What the compile produced so far: stages with timings and sizes, per-rank bytes and collectives,
-    tasks and bytes per SM, the cost model's step time and the roofline at NOMINAL bandwidth."""
+    tasks and bytes per SM, the predicted step time (`replayed`: the replay of the kernel being built;
+    default: with the default kernel options) and the roofline at NOMINAL bandwidth."""
     t, graph = result.target, result.graph
     lines = [
         f"k3mk compile {t.config.name}: tp={t.tp} max_tokens={t.max_tokens} max_context={t.max_context} "
@@ -150,9 +151,35 @@ def summary(result: CompileResult) -> str:
     else:
         lines.append("tasks and bytes per SM: not available (needs tile ... schedule)")
     predicted = tg.meta.get("predicted_step_s") if tg is not None else None
-    lines.append(f"predicted step time (cost model): {predicted * 1e6:.1f} us" if predicted else "predicted step time (cost model): not available (needs schedule)")
+    lines.append(f"placement cost model's step time (schedule): {predicted * 1e6:.1f} us" if predicted else "placement cost model's step time: not available (needs schedule)")
+    replayed = replayed or replayed_step(result.output, t)
+    if replayed is not None:
+        sh = replayed.shares()
+        lines.append(f"predicted step time (streaming replay, ir/replay.py {REPLAY_COSTS_NAME}): {replayed.step_s * 1e6:.1f} us "
+                     f"(consumers waiting {sh['consumer_wait']:.0%}, in bodies {sh['body']:.0%}; producers blocked on a full ring {sh['producer_blocked']:.0%})")  # fmt: skip
     lines.append(_roofline(result.sharded, t))
     return "\n".join(lines) + "\n"
+
+
+def replayed_step(output, target: Target, kernel_options: dict[str, int] | None = None):
+    """The replay of an emitted table on the kernel the build makes of it (ir/replay.py), or None where its
+    constants do not apply (they are the H200's) or nothing was emitted."""
+    from k3mk.codegen.ops import KernelConfig, ring_layout
+    from k3mk.ir.replay import H200_2026_12_01, replay
+    from k3mk.ir.streaming import RingModel
+    from k3mk.passes.emit_task_table import EmittedTable
+    from k3mk.passes.schedule import activation_bytes
+
+    if not isinstance(output, EmittedTable) or target.arch != "sm_90a":
+        return None
+    config = KernelConfig(**(kernel_options or {}))
+    ring = ring_layout(output.table.variants, config)
+    tg = output.task_graph
+    task_bytes = [[(tg.tasks[i].weight_bytes, activation_bytes(tg.tasks[i], tg.graph)) for i in ids] for ids in tg.sm_lists]
+    return replay(output.table, task_bytes, RingModel(ring.slots, ring.records, config.warps, ring.slot_bytes), H200_2026_12_01)
+
+
+REPLAY_COSTS_NAME = "H200_2026_12_01"
 
 
 def _roofline(graph: Graph, target: Target) -> str:
@@ -202,13 +229,14 @@ def compile_artifact(
     result: CompileResult | None = None,
     profile: bool = False,
     kernel_options: dict[str, int] | None = None,
+    replayed=None,
 ) -> Path:
     """The whole compile: capture, every pass through emit_task_table, then the CuTe DSL build of the
     table's ONE megakernel (codegen/build.py) into `out_dir`: cubin, task table, generated source, the
     IR after capture / fusion and the task schedule as text, and manifest.json with the compile target
-    (docs/megakernel.md "Artifact directory"). `profile`: a profile build (per-task timestamps), with the
-    cost model's bytes per task in task_bytes.json. `kernel_options`: KernelConfig tuning fields. Returns the
-    artifact directory."""
+    (docs/megakernel.md "Artifact directory") and the cost model's bytes per task (task_bytes.json). `profile`:
+    a profile build (per-task timestamps). `kernel_options`: KernelConfig tuning fields; `replayed`: the
+    replay of this build's kernel if the caller has it (replayed_step). Returns the artifact directory."""
     import hashlib
     import json
 
@@ -225,6 +253,7 @@ def compile_artifact(
     if not isinstance(emitted, EmittedTable):
         raise CompileError(f"the pipeline stopped before emit_task_table (missing: {', '.join(result.missing) or 'none'})")
     t0 = time.perf_counter()
+    replayed = replayed or replayed_step(emitted, result.target, kernel_options)
     graph = emitted.task_graph.graph
     kinds = sorted({n.op.name for n in graph.nodes})
     weight_format = "mxfp4" if any("mxfp4" in k for k in kinds) else "bfloat16"
@@ -242,7 +271,7 @@ def compile_artifact(
         "step_inputs": {b.name: {"dtype": b.dtype, "shape": list(b.shape)} for b in emitted.table.buffers if b.role == "input"},
         "step_outputs": {b.name: {"dtype": b.dtype, "shape": list(b.shape)} for b in emitted.table.buffers if b.role == "output"},
         "fusions": graph.meta.get("fusions", []),
-        "predicted_step_s": emitted.task_graph.meta.get("predicted_step_s"),
+        "predicted_step_s": replayed.step_s if replayed is not None else None,
     }
     if tp > 1:  # which piece of each full weight / state / output rank r binds or returns (k3mk.runtime.tp)
         meta["tp_shards"] = {t.name: {"dim": t.shard.dim, "parts": t.shard.parts, "groups": t.shard.groups}
@@ -251,12 +280,13 @@ def compile_artifact(
         "ir_captured.txt": result.captured.text() if hasattr(result.captured, "text") else str(result.captured),
         "ir_fused.txt": graph.text() if hasattr(graph, "text") else str(graph),
         "schedule.txt": emitted.text(),
-        SUMMARY_FILE: summary(result),
+        SUMMARY_FILE: summary(result, replayed),
     }
-    if profile:  # table order = the schedule's SM lists (emit_task_table)
-        tasks = [emitted.task_graph.tasks[i] for ids in emitted.task_graph.sm_lists for i in ids]
-        files["task_bytes.json"] = json.dumps({"weight_bytes": [t.weight_bytes for t in tasks],
-                                               "other_bytes": [activation_bytes(t, graph) for t in tasks]})  # fmt: skip
+    # the cost model's bytes per task, table order (the schedule's SM lists: emit_task_table): what a profile
+    # build's timeline and the replay with other constants (bench/calibrate.py) need
+    tasks = [emitted.task_graph.tasks[i] for ids in emitted.task_graph.sm_lists for i in ids]
+    files["task_bytes.json"] = json.dumps({"weight_bytes": [t.weight_bytes for t in tasks],
+                                           "other_bytes": [activation_bytes(t, graph) for t in tasks]})  # fmt: skip
     out = build(emitted.table, out_dir, arch=arch, sm_count=result.target.num_sms, config=KernelConfig(profile=profile, **(kernel_options or {})), meta=meta,
                 extra_files=files)  # fmt: skip
     say(f"build: {out} in {time.perf_counter() - t0:.1f} s")
@@ -271,9 +301,10 @@ def run_compile(args: argparse.Namespace, config: ModelConfig, artifact: Path | 
     if artifact is not None:
         limits.check_kernel_shapes(config, args.tp, args.max_tokens, args.max_context)  # the template limits, before the passes
         result = compile_graph(config, args.tp, args.max_tokens, args.max_context, torch.bfloat16, args.arch, args.dump, progress)
-        print(summary(result), end="")
+        replayed = replayed_step(result.output, result.target, dict(args.kernel_option))
+        print(summary(result, replayed), end="")
         compile_artifact(config, args.tp, args.max_tokens, args.max_context, args.arch, artifact, progress=progress, result=result,
-                         profile=args.profile, kernel_options=dict(args.kernel_option))  # fmt: skip
+                         profile=args.profile, kernel_options=dict(args.kernel_option), replayed=replayed)  # fmt: skip
         return 0
     # Without an artifact nothing needs the binary table: stop after the schedule and its deadlock check.
     # Nor the op templates: a width they cannot generate is noted, not refused (the analysis is still valid).

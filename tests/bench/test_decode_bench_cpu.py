@@ -76,13 +76,13 @@ def test_markdown_rows():
               "baseline_fraction_of_roofline": 0.4, "distinct_experts": 12.0}  # fmt: skip
     result = {"rows": [
         {**common, "batch": 1, "artifact_max_context": 8192, "megakernel_median_us": 200.0, "megakernel_p90_us": 1210.0,
-         "megakernel_fraction_of_roofline": 0.5, "speedup": 1.25},
+         "megakernel_fraction_of_roofline": 0.5, "speedup": 1.25, "megakernel_predicted_us": 1234.4},
         {**common, "batch": 2, "artifact_max_context": None},
     ]}  # fmt: skip
     header, rule, with_mk, baseline_only = bench.markdown_rows(result)
     assert header.count("|") == rule.count("|") == with_mk.count("|") == baseline_only.count("|")
-    assert "| k3-tiny | 1 | 1024 | 8192 | 200 / 1,210 | 250 / 260 | 100 | 50% | 40% | 1.25x | 12 |" == with_mk
-    assert "| k3-tiny | 2 | 1024 | — | — | 250 / 260 | 100 | — | 40% | — | 12 |" == baseline_only
+    assert "| k3-tiny | 1 | 1024 | 8192 | 200 / 1,210 | 250 / 260 | 100 | 50% | 40% | 1.25x | 12 | 1,234 |" == with_mk
+    assert "| k3-tiny | 2 | 1024 | — | — | 250 / 260 | 100 | — | 40% | — | 12 | — |" == baseline_only
 
 
 def test_clear_mask_needs_more_than_two_bf16_ulps():

@@ -147,8 +147,12 @@ def test_compile_summary_and_errors(capsys, tmp_path):
     does not divide the heads is a one-line error."""
     assert main(["compile", "--model", "k3-tiny", "--tp", "2", "--max-tokens", "2", "--max-context", "64", "--until", "check_deadlock", "--dump", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "predicted step time" in out and "NOMINAL" in out
+    assert "placement cost model's step time (schedule)" in out and "NOMINAL" in out
     assert (tmp_path / "00_capture.txt").is_file() and any(tmp_path.glob("*_schedule.txt"))
+    # with the table emitted, an sm_90a compile predicts the step by replaying the streaming loop (ir/replay.py)
+    assert main(["compile", "--model", "k3-tiny", "--max-context", "64", "--until", "emit_task_table"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("predicted step time (streaming replay"))
+    assert float(line.split(": ")[1].split(" us")[0]) > 0 and "producers blocked on a full ring" in line
     assert main(["compile", "--model", "k3-tiny", "--tp", "3"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("k3mk: error:") and "3" in err and "\n" == err[-1] and err.count("\n") == 1

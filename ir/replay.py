@@ -1,0 +1,165 @@
+"""The cost model of the engine that runs (PERFORMANCE.md E9): a replay of an emitted task table on the
+streaming loop (docs/megakernel.md "The streaming task loop"), with constants measured on the GPU.
+
+Per CTA two processes, as in the kernel and in the ring-aware deadlock check (ir/streaming.py check_ring):
+- the producer walks the list in order. It forwards task i's record once the consumers finished task
+  i - records; a routed expert then waits for the task's events (the router's ids); then it
+  issues the task's ring fills (ir/streaming.py fill_plan), fill f once the consumers released fill
+  f - slots. A fill lands `fill_latency` after its issue, and the CTA's fills land no faster than the
+  CTA's share of HBM (`sm_stream` bytes/s, one stream per SM);
+- the consumers take task i once its record is there and the previous task is done, wait for its events
+  (`handoff` after the last producer's end), and run the body: a streaming op spends its `prologue`
+  (input staging), then takes its fills in order, each no earlier than it landed and `slot bytes /
+  consume rate` after the previous one; any other op reads what it reads straight from memory (a fixed
+  time plus its bytes at a per-op rate), and signals; taking the next record costs the CTA
+  `task_overhead`. The step ends with the last body (the profile's wall: first start to last body_end).
+
+What it leaves out: HBM shared unevenly (an SM streaming alone gets more than its share: the model errs
+slow when few SMs stream), L2 hits, the MLA chunk's run-time length (a chunk's bytes are its
+max-context bytes, so contexts below the artifact's max are overstated), the KDA state's L2 prefetch.
+
+Every constant is a measurement: `H200_2026_12_01` says which. The replay runs in an order the events
+allow (ir/table_exec.py table_order), so each task's inputs are known when it is timed. Pure Python over
+the table and per-task byte counts (the compiler's: `compiler/pipeline.py` passes them), like the
+deadlock check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from typing import Sequence
+
+from k3mk.ir.streaming import RingModel, fill_plan, producer_waits
+from k3mk.ir.table_exec import table_order
+from k3mk.ir.task_table import TaskTable
+
+
+@dataclass(frozen=True)
+class EngineCosts:
+    """The streaming engine's constants on one GPU (module docstring)."""
+
+    sm_stream: float  # bytes/s of one SM's weight stream while every SM streams: copy bandwidth / SMs
+    fill_latency: float  # s from a ring fill's bulk copy issue to its landing, loaded
+    fill_issue: float  # s the producer lane spends per fill (slot wait when free, expect_tx, the copies, SLOT_SEQ)
+    handoff: float  # s from an event's last signal to its waiter running
+    task_overhead: float  # s between a task's body end (its release) and the next task's start on its CTA
+    consume: dict[str, float]  # bytes/s at which the consumers take a streaming op's fills (bf16; "mxfp4": MXFP4 experts)
+    prologue: float  # s a streaming op spends before its first fill (input staged, norm statistics)
+    direct: dict[str, tuple[float, float]] = field(default_factory=dict)  # other op: (fixed s, bytes/s of what it reads / writes)
+    direct_default: tuple[float, float] = (1.0e-6, 20e9)
+
+    def direct_time(self, op: str, nbytes: int) -> float:
+        fixed, rate = self.direct.get(op, self.direct_default)
+        return fixed + nbytes / rate
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @staticmethod
+    def from_json(data: dict) -> "EngineCosts":
+        d = dict(data)
+        d["direct"] = {k: tuple(v) for k, v in d.get("direct", {}).items()}
+        if "direct_default" in d:
+            d["direct_default"] = tuple(d["direct_default"])
+        return EngineCosts(**d)
+
+
+# H200, 2026-12-01, kernel 69c8fdb (BENCHMARKS.md, docs/megakernel.md):
+H200_2026_12_01 = EngineCosts(
+    sm_stream=4.24e12 / 132,  # the decode bench's copy bandwidth, 4.24 TB/s, over 132 SMs
+    fill_latency=1.5e-6,  # a loaded HBM round trip of a 16 KB bulk copy (PERFORMANCE.md, Little's law estimate)
+    fill_issue=0.0,
+    handoff=0.71e-6,  # bench_handoff_1024: 0.71 us per dependent hop
+    task_overhead=0.8e-6,  # kimi-linear-48b b1 timeline: 5.7% of CTA time between tasks, 315 tasks per CTA in 4.55 ms
+    # bench_gemv_b1_16384x7168 (63.5 us for 235 MB over 132 CTAs x 4 tasks) leaves the bf16 consumers far
+    # from the limit; the MXFP4 expert bodies are ALU bound: 8.0 / 9.3 GB/s per CTA (2026-11-30 timeline)
+    consume={"bfloat16": 120e9, "mxfp4": 8.5e9},
+    prologue=0.7e-6,  # per-task input staging / norm prologue (PERFORMANCE.md cause 4: ~0.7 us)
+    # kda_recurrence at K3 size (96 tasks on 96 CTAs, L2 evicted): b1 12.6 us, b4 28.6 us a step, 5.8 us empty:
+    # 1.0 us + the state's bytes at 23 GB/s fits both
+    direct={"kda_recurrence": (1.0e-6, 23e9)},
+)
+
+
+@dataclass
+class Replay:
+    """The replay's account of one step."""
+
+    step_s: float
+    consumer_wait_s: float  # summed over CTAs: consumers waiting for events (their record in hand)
+    body_s: float  # summed over CTAs: in op bodies (waiting for fills inside a body included)
+    producer_blocked_s: float  # summed over CTAs: the producer waiting for a free slot
+    body_by_op: dict[str, float]  # summed body time per op kind
+    ctas: int
+    # per task [list][position]: (start, wait_done, body_end, produce_start, produce_end, ring_wait) in s, the
+    # profile build's stamps (runtime/profile.py) as the replay sees them
+    times: list[list[tuple[float, ...]]] = field(default_factory=list)
+
+    def shares(self) -> dict[str, float]:
+        total = self.step_s * self.ctas
+        return {"consumer_wait": self.consumer_wait_s / total, "body": self.body_s / total,
+                "producer_blocked": self.producer_blocked_s / total}  # fmt: skip
+
+
+def replay(table: TaskTable, task_bytes: Sequence[Sequence[tuple[int, int]]], ring: RingModel, costs: EngineCosts) -> Replay:
+    """Time one step of `table` on a kernel with ring `ring`; `task_bytes[s][i]` = (weights streamed,
+    other bytes read or written) of task i of list s."""
+    n = len(table.lists)
+    if [len(b) for b in task_bytes] != [len(ts) for ts in table.lists]:
+        raise ValueError("task_bytes needs one (weight, other) pair per task of every list")
+    plans = [fill_plan(v.op, v.params, ring.slot_bytes) for v in table.variants]
+    event_done = [0.0] * len(table.events)
+    # per CTA: the consumers' end of each task so far, the producer's clock, each fill's land / release time
+    ends: list[list[float]] = [[] for _ in range(n)]
+    times: list[list[tuple[float, ...]]] = [[()] * len(ts) for ts in table.lists]
+    producer = [0.0] * n
+    landed: list[list[float]] = [[] for _ in range(n)]
+    released: list[list[float]] = [[] for _ in range(n)]
+    wait_s = body_s = blocked_s = step = 0.0
+    by_op: dict[str, float] = {}
+    for s, k in table_order(table):
+        task = table.lists[s][k]
+        variant = table.variants[task.opcode]
+        plan = plans[task.opcode]
+        weight_bytes, other_bytes = task_bytes[s][k]
+        free = ends[s][-1] if ends[s] else 0.0
+        # the producer: the record slot, a routed expert's wait for its router, then the fills
+        p = max(producer[s], ends[s][k - ring.records] if k >= ring.records else 0.0)
+        produce_start, blocked_before = p, blocked_s
+        if producer_waits(variant.op):
+            p = max([p] + [event_done[e] + costs.handoff for e in task.wait])
+        fills = plan.task_fills(task.operands.get("row_count", 0)) if plan is not None else 0
+        fill_bytes = weight_bytes / fills if fills else 0.0
+        # the consumers take the task once its record is there and the previous task is done (the profile's
+        # start stamp), then wait for its events (its wait_done)
+        start = max(p, free)
+        ready = max([event_done[e] + costs.handoff for e in task.wait] + [start])
+        wait_s += ready - start
+        if fills:
+            rate = costs.consume["mxfp4" if getattr(variant.params, "weight_format", "") == "mxfp4" else "bfloat16"]
+            c = ready + costs.prologue
+            for f in range(len(landed[s]), len(landed[s]) + fills):
+                slot_free = released[s][f - ring.slots] if f >= ring.slots else 0.0  # an earlier fill, maybe of this task
+                if slot_free > p:
+                    blocked_s += slot_free - p
+                    p = slot_free
+                stream = landed[s][-1] + fill_bytes / costs.sm_stream if landed[s] else 0.0
+                landed[s].append(max(p + costs.fill_latency, stream))
+                p += costs.fill_issue
+                c = max(c, landed[s][f]) + fill_bytes / rate
+                released[s].append(c)
+            end = c
+        else:
+            end = ready + costs.direct_time(variant.op, weight_bytes + other_bytes)
+        producer[s] = p
+        times[s][k] = (start, ready, end, produce_start, p, blocked_s - blocked_before)
+        body_s += end - ready
+        by_op[variant.op] = by_op.get(variant.op, 0.0) + end - ready
+        # the release follows the body at once (the profile's body_end stamp); taking the next record is
+        # the CTA's own overhead
+        ends[s].append(end + costs.task_overhead)
+        step = max(step, end)
+        if task.signal is not None:
+            event_done[task.signal] = max(event_done[task.signal], end)
+    return Replay(step, wait_s, body_s, blocked_s, by_op, n, times)

@@ -1,0 +1,102 @@
+"""The streaming engine's cost model (ir/replay.py) against step times worked out by hand for small
+tables: a stream-bound task, a ring of one slot, a hand-off between CTAs, a routed expert whose producer
+waits for its router, and the per-task costs of ops that do not stream."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from k3mk.ir.replay import H200_2026_12_01, EngineCosts, replay
+from k3mk.ir.streaming import RingModel, fill_plan
+from k3mk.ir.task_table import Event, ExpertGatedParams, GemvParams, NopParams, OpVariant, RouterTopkParams, Task, TaskTable, WeightSpec
+
+GEMV = OpVariant("gemv", GemvParams(64, 1024, 1))
+EXPERT = OpVariant("expert_gated", ExpertGatedParams(64, 1024, 4, 1, 2))
+ROUTER = OpVariant("router_topk", RouterTopkParams(4, 1, 2))
+NOP = OpVariant("nop", NopParams())
+COSTS = EngineCosts(sm_stream=20e9, fill_latency=1.5e-6, fill_issue=0.0, handoff=0.7e-6, task_overhead=0.5e-6,
+                    consume={"bfloat16": 200e9, "mxfp4": 8e9}, prologue=0.3e-6, direct={"nop": (0.2e-6, 1e9)})  # fmt: skip
+
+
+def table_of(lists, events=2) -> TaskTable:
+    weights = [WeightSpec("w", "bfloat16", (1024, 64)), WeightSpec("w13", "bfloat16", (4, 1024, 64))]
+    return TaskTable([GEMV, EXPERT, ROUTER, NOP], lists, [Event(f"e{i}") for i in range(events)], weights=weights, arena_bytes=4096)
+
+
+def fills(variant: OpVariant, rows: int) -> int:
+    return fill_plan(variant.op, variant.params).task_fills(rows)
+
+
+def test_a_streaming_task_is_as_fast_as_its_fills_land():
+    """One gemv of F fills, the ring larger than F: fills land at the stream's rate after the first one's
+    latency; the consumers (10x faster) finish each fill just after it lands."""
+    f = fills(GEMV, 1024)
+    assert f >= 4
+    w = 1024 * 64 * 2
+    b = w / f
+    r = replay(table_of([[Task(0, {"weight": 0, "row_count": 1024}, (), None, "g")]]), [[(w, 0)]], RingModel(64, 4, 8), COSTS)
+    expected = COSTS.fill_latency + (f - 1) * b / COSTS.sm_stream + b / COSTS.consume["bfloat16"]
+    assert r.step_s == pytest.approx(expected, rel=1e-12)
+    assert r.producer_blocked_s == 0 and r.consumer_wait_s == 0
+
+
+def test_a_ring_of_one_slot_serialises_issue_latency_and_consumption():
+    f = fills(GEMV, 1024)
+    w = 1024 * 64 * 2
+    b = w / f
+    r = replay(table_of([[Task(0, {"weight": 0, "row_count": 1024}, (), None, "g")]]), [[(w, 0)]], RingModel(1, 4, 8), COSTS)
+    per_fill = COSTS.fill_latency + b / COSTS.consume["bfloat16"]  # issue waits for the previous release
+    assert r.step_s == pytest.approx(f * per_fill, rel=1e-12)
+    assert r.producer_blocked_s == pytest.approx((f - 1) * per_fill, rel=1e-12)  # each issue waits a whole fill
+
+
+def test_a_waiter_starts_a_handoff_after_its_producer_ends_and_its_weights_are_already_in():
+    """CTA 1's gemv waits for CTA 0's nop: its producer streamed the weights during the wait, so its body
+    is the prologue plus the last fill's consumption."""
+    nop_time = COSTS.direct["nop"][0] + 3000 / COSTS.direct["nop"][1]
+    f = fills(GEMV, 64)
+    w = 64 * 64 * 2
+    lists = [[Task(3, {}, (), 0, "a")], [Task(0, {"weight": 0, "row_count": 64}, (0,), None, "b")]]
+    r = replay(table_of(lists, 1), [[(0, 3000)], [(w, 0)]], RingModel(64, 4, 8), COSTS)
+    start = nop_time + COSTS.handoff  # the release follows the body at once
+    assert COSTS.fill_latency + (f - 1) * (w / f) / COSTS.sm_stream < start  # the fills landed during the wait
+    body = COSTS.prologue + w / COSTS.consume["bfloat16"]
+    assert r.step_s == pytest.approx(start + body, rel=1e-12)
+    assert r.consumer_wait_s == pytest.approx(start, rel=1e-12)
+
+
+def test_a_routed_experts_fills_start_after_its_router():
+    """The expert's producer waits for the router's event, so its first fill lands a hand-off and a fill
+    latency after the router ends, however early its CTA reached it."""
+    f = fills(EXPERT, 64)
+    w = 2 * 64 * 64 * 2
+    b = w / f
+    lists = [[Task(2, {}, (), 0, "router")], [Task(1, {"weight": 1, "weight_up": 1, "row_count": 64}, (0,), None, "expert")]]
+    r = replay(table_of(lists, 1), [[(0, 4096)], [(w, 0)]], RingModel(64, 4, 8), COSTS)
+    router_end = COSTS.direct_default[0] + 4096 / COSTS.direct_default[1]
+    last_land = router_end + COSTS.handoff + COSTS.fill_latency + (f - 1) * b / COSTS.sm_stream
+    assert r.step_s == pytest.approx(last_land + b / COSTS.consume["bfloat16"], rel=1e-12)
+
+
+def test_the_producer_issue_cost_caps_a_cta_stream():
+    f = fills(GEMV, 1024)
+    w = 1024 * 64 * 2
+    slow = dataclasses.replace(COSTS, fill_issue=2e-6)
+    r = replay(table_of([[Task(0, {"weight": 0, "row_count": 1024}, (), None, "g")]]), [[(w, 0)]], RingModel(64, 4, 8), slow)
+    expected = (f - 1) * slow.fill_issue + slow.fill_latency + w / f / slow.consume["bfloat16"]
+    assert r.step_s == pytest.approx(expected, rel=1e-12)
+
+
+def test_task_bytes_must_match_the_lists():
+    with pytest.raises(ValueError, match="one \\(weight, other\\) pair per task"):
+        replay(table_of([[Task(3, {}, (), None, "a")]]), [[]], RingModel(4, 4, 8), H200_2026_12_01)
+
+
+def test_a_ctas_next_task_starts_its_overhead_after_the_previous_body():
+    lists = [[Task(3, {}, (), None, "a"), Task(3, {}, (), None, "b")]]
+    r = replay(table_of(lists), [[(0, 1000), (0, 3000)]], RingModel(4, 4, 8), COSTS)
+    a, b = (COSTS.direct_time("nop", n) for n in (1000, 3000))
+    assert r.step_s == pytest.approx(a + COSTS.task_overhead + b, rel=1e-12)
+    assert r.times[0][1][0] == pytest.approx(a + COSTS.task_overhead, rel=1e-12)  # b's start stamp
