@@ -39,7 +39,7 @@ from k3mk.ir.replay import EngineCosts, Replay, replay
 from k3mk.ir.streaming import RingModel, fill_plan
 from k3mk.ir.task_table import TaskTable
 
-FILL_LATENCIES = (0.75e-6, 1.0e-6, 1.5e-6, 2.0e-6, 3.0e-6)
+FILL_LATENCIES = (0.75e-6, 1.0e-6, 1.5e-6, 2.0e-6, 3.0e-6, 4.0e-6, 5.0e-6, 6.0e-6)
 
 
 @dataclass
