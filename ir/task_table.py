@@ -619,6 +619,11 @@ class TaskTable:
                 raise TaskTableError(f"buffer {b.name!r}: unknown role {b.role!r}")
             if b.offset % ARENA_ALIGN or b.offset < 0 or b.offset + b.nbytes > self.arena_bytes:
                 raise TaskTableError(f"buffer {b.name!r} [{b.offset}, +{b.nbytes}) outside arena {self.arena_bytes} or unaligned")
+        ids_writers: dict[int, set] = {}  # arena offset of expert ids -> the events of the router tasks writing them
+        for tasks in self.lists:
+            for t in tasks:
+                if 0 <= t.opcode < len(self.variants) and self.variants[t.opcode].op in ("router", "router_topk"):
+                    ids_writers.setdefault(t.operands.get("ids", 0), set()).add(t.signal)
         for s, tasks in enumerate(self.lists):
             for i, t in enumerate(tasks):
                 where = f"list {s} task {i} ({t.label or 'unlabelled'})"
@@ -648,6 +653,11 @@ class TaskTable:
                         raise TaskTableError(f"{where}: waits on event {e} ({self.events[e].name}) that no task signals")
                 if t.weight_wait is not None and not producer_waits(kind.name):
                     raise TaskTableError(f"{where}: {kind.name} streams weights known at compile time: no weight wait")
+                writers = ids_writers.get(t.operands.get("ids", 0), set()) if producer_waits(kind.name) else set()
+                if writers and t.weight_wait not in writers:
+                    raise TaskTableError(f"{where}: {kind.name} reads expert ids a router task writes (event "
+                                         f"{sorted(writers)}), but its producer's weight wait is {t.weight_wait}: it would "
+                                         f"stream the experts of stale ids")  # fmt: skip
         self._check_comm()
         self.check_deadlock_free()
 

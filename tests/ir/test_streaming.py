@@ -5,6 +5,7 @@ consumers is refused, naming the producer and what it waits for."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import sys
 from pathlib import Path
@@ -100,3 +101,14 @@ def test_a_ring_of_one_slot_streams_a_task_larger_than_the_ring():
     b = Task(0, {"weight": 0, "row_count": 256}, (0,), 1, "b")
     c = Task(3, {}, (1,), None, "c")
     table_of([[a], [b], [c]], (GEMV, EXPERT, ROUTER, OpVariant("nop", NopParams()))).check_deadlock_free(ring=RingModel(1, 1, 8))
+
+
+def test_an_expert_whose_producer_would_not_wait_for_its_router_is_refused():
+    """The router writes the ids the expert reads: an expert task without that weight wait would let its
+    producer stream the experts of the previous step's ids (a race, not a hang: only this check sees it)."""
+    router = Task(2, {}, (), 0, "router")
+    expert = Task(1, {"weight": 1, "weight_up": 1, "row_count": 64}, (0,), None, "expert")
+    with pytest.raises(TaskTableError, match=r"expert_gated reads expert ids a router task writes \(event \[0\]\), but its "
+                                             r"producer's weight wait is None"):  # fmt: skip
+        table_of([[router], [expert]]).validate()
+    table_of([[router], [dataclasses.replace(expert, weight_wait=0)]]).validate()
