@@ -36,10 +36,10 @@ from pathlib import Path
 import numpy as np
 
 from k3mk.ir.replay import EngineCosts, Replay, replay
-from k3mk.ir.streaming import RingModel, fill_plan, producer_waits
+from k3mk.ir.streaming import RingModel, fill_plan
 from k3mk.ir.task_table import TaskTable
 
-FILL_LATENCIES = (0.75e-6, 1.0e-6, 1.5e-6, 2.0e-6, 3.0e-6)
+FILL_LATENCIES = (0.75e-6, 1.0e-6, 1.5e-6, 2.0e-6, 3.0e-6, 4.0e-6, 5.0e-6, 6.0e-6)
 
 
 @dataclass
@@ -121,7 +121,7 @@ def fit(build: Build, records: np.ndarray, fields: list[str], sm_stream: float, 
             ys.append(body)
             continue
         fills = plan.task_fills(t.operands.get("row_count", 0))
-        if fills >= 2 and not producer_waits(v.op):
+        if fills >= 2 and t.weight_wait is None:
             issue.append((col["produce_end"][i] - col["produce_start"][i] - col["ring_wait"][i]) / fills)
         if col["produce_end"][i] + landed_s <= col["wait_done"][i] and fills <= build.ring.slots:
             fmt = "mxfp4" if getattr(v.params, "weight_format", "") == "mxfp4" else "bfloat16"

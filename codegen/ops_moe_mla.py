@@ -127,9 +127,9 @@ def _check_mla_q_absorb(p: MlaQAbsorbParams) -> None:
 
 
 def decode_layout(p: MlaDecodeParams) -> dict:
-    """sQ fp32 [group_heads, C] | sK bf16 [32 rows, C + 8] (the pad makes the per-lane row reads conflict-free)."""
+    """sQ bf16 [group_heads, C] | sK bf16 [32 rows, C + 8] (the pad makes the per-lane row reads conflict-free)."""
     c = p.kv_lora_rank + p.rope_dim
-    k_off = _a16(p.group_heads * c * 4)
+    k_off = _a16(p.group_heads * c * 2)
     return {"C": c, "SK": c + 8, "K_OFF": k_off, "total": k_off + MLA_BLOCK_ROWS * (c + 8) * 2, "NB": MLA_BLOCK_ROWS}
 
 

@@ -67,6 +67,7 @@ class TableBuilder(KdaOpsMixin, MoeMlaOpsMixin):
         self.buffers: list[BufferSpec] = []
         self.arena_bytes = 0
         self._next_cta = 0
+        self.ids_writer: dict[int, int] = {}  # arena offset of expert ids -> the event of the task writing them
         self.states: list[str] = []  # pointer-table entries that ops update in place (decode state)
         self._steps: list[Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], None]] = []
 
@@ -91,10 +92,11 @@ class TableBuilder(KdaOpsMixin, MoeMlaOpsMixin):
             self.variants.append(variant)
         return self.variants.index(variant)
 
-    def _emit(self, opcode: int, operands: dict, wait: tuple[int, ...], signal: int | None, label: str, cta: int | None) -> None:
+    def _emit(self, opcode: int, operands: dict, wait: tuple[int, ...], signal: int | None, label: str, cta: int | None,
+              weight_wait: int | None = None) -> None:  # fmt: skip
         if cta is None:
             cta, self._next_cta = self._next_cta, (self._next_cta + 1) % self.num_ctas
-        self.lists[cta].append(Task(opcode, operands, wait, signal, label))
+        self.lists[cta].append(Task(opcode, operands, wait, signal, label, weight_wait))
 
     # ---- ops (each returns the event its tasks signal) ----------------------------------------
     def gemv(self, x: Buf, weight: int, out: Buf, *, tiles: int, wait: tuple[int, ...] = (),

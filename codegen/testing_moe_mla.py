@@ -52,6 +52,7 @@ class MoeMlaOpsMixin:
         if norm_weight is not None:
             operands["norm_weight"] = norm_weight
         self._emit(opcode, operands, wait, ev, f"{name}[0]", cta)
+        self.ids_writer[ids.offset] = ev  # the routed experts' producers wait for it (their weight wait)
         w_name, b_name = self.weights[weight].name, self.weights[bias].name
         g_name = None if norm_weight is None else self.weights[norm_weight].name
 
@@ -85,7 +86,7 @@ class MoeMlaOpsMixin:
                             "slot": j, "row_begin": begin, "row_count": count}  # fmt: skip
                 if scale_gate is not None:
                     operands.update(scale=scale_gate, scale_up=scale_up)
-                self._emit(opcode, operands, wait, ev, f"{name}[{j},{i}]", None)
+                self._emit(opcode, operands, wait, ev, f"{name}[{j},{i}]", None, self.ids_writer.get(ids.offset))
         names = [None if w is None else self.weights[w].name for w in (w_gate, scale_gate, w_up, scale_up)]
 
         def step(env, weights):
@@ -116,7 +117,7 @@ class MoeMlaOpsMixin:
                         "weight": w_down, "row_begin": begin, "row_count": count}  # fmt: skip
             if scale is not None:
                 operands["scale"] = scale
-            self._emit(opcode, operands, wait, ev, f"{name}[{i}]", None)
+            self._emit(opcode, operands, wait, ev, f"{name}[{i}]", None, self.ids_writer.get(ids.offset))
         w_name = self.weights[w_down].name
         s_name = None if scale is None else self.weights[scale].name
 

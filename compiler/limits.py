@@ -33,7 +33,7 @@ from k3mk.runtime.schema import ARCHS
 if TYPE_CHECKING:
     from k3mk.compiler.weights import TensorSpec
 
-MAX_POSITION = 2**31 - 1  # positions are int32 step inputs (docs/task_table.md, format 2)
+MAX_POSITION = 2**31 - 1  # positions are int32 step inputs (docs/task_table.md, format 3)
 COMPILE_BYTES = 2  # the compile's activation (compute) dtype is bfloat16
 
 

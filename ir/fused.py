@@ -179,6 +179,8 @@ class ExpertGatedLinear(Op):
     (spec 5.3). Tiles: (slot, output rows); a tile reads its expert id at run time and streams the same
     rows of w1 and w3 of that expert."""
 
+    weight_index_input: ClassVar[int | None] = -1  # ids
+
     activation: Activation
 
 
@@ -192,6 +194,8 @@ def expert_gated_linear_mxfp4(
 @op("expert_gated_linear_mxfp4", semantics_fn=expert_gated_linear_mxfp4)
 class ExpertGatedLinearMXFP4(Op):
     """`expert_gated_linear` with MXFP4 w1/w3 (packed [E, n, in/2] u8, scale [E, n, in/32] u8, spec 5.5)."""
+
+    weight_index_input: ClassVar[int | None] = -1  # ids
 
     activation: Activation
 
@@ -207,6 +211,8 @@ class ExpertLinearCombine(Op):
     to the activation dtype, the weighted sum runs in fp32 and is rounded ONCE, as in `moe_combine`.
     Tiles: output rows; a tile covers ALL slots of its rows (the fp32 sum over slots stays in one task)."""
 
+    weight_index_input: ClassVar[int | None] = -2  # ids
+
 
 def expert_linear_mxfp4_combine(x: Tensor, packed: Tensor, scale: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
     return semantics.moe_combine(semantics.expert_linear_mxfp4(x, packed, scale, ids), weights)
@@ -215,6 +221,8 @@ def expert_linear_mxfp4_combine(x: Tensor, packed: Tensor, scale: Tensor, ids: T
 @op("expert_linear_mxfp4_combine", semantics_fn=expert_linear_mxfp4_combine)
 class ExpertLinearMXFP4Combine(Op):
     """`expert_linear_combine` with an MXFP4 w2 (packed [E, out, in/2] u8, scale [E, out, in/32] u8)."""
+
+    weight_index_input: ClassVar[int | None] = -2  # ids
 
 
 # --- weight-absorbed MLA decode (spec 4.3) ------------------------------------------------------------

@@ -40,6 +40,10 @@ class Op:
     # (fused forms, collectives) set it to their own function.
     semantics_fn: ClassVar[Any] = None
     variadic: ClassVar[bool] = False  # True: the leading inputs are one list operand (attn_res sources)
+    # The input whose run-time values pick the weights a task streams (a routed expert's ids: its position
+    # in the inputs, negative from the end); None: the weights are known at compile time. The producer
+    # warp waits for that input's writers only (passes/build_events.py "weight waits").
+    weight_index_input: ClassVar[int | None] = None
 
     def attributes(self) -> tuple[Any, ...]:
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self))

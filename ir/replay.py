@@ -3,7 +3,7 @@ streaming loop (docs/megakernel.md "The streaming task loop"), with constants me
 
 Per CTA two processes, as in the kernel and in the ring-aware deadlock check (ir/streaming.py check_ring):
 - the producer walks the list in order. It forwards task i's record once the consumers finished task
-  i - records; a routed expert then waits for the task's events (the router's ids); then it
+  i - records; a routed expert then waits for its router's event (the table's weight wait); then it
   issues the task's ring fills (ir/streaming.py fill_plan), fill f once the consumers released fill
   f - slots. A fill lands `fill_latency` after its issue, and the CTA's fills land no faster than the
   CTA's share of HBM (`sm_stream` bytes/s, one stream per SM);
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, fields
 
 from typing import Sequence
 
-from k3mk.ir.streaming import RingModel, fill_plan, producer_waits
+from k3mk.ir.streaming import RingModel, fill_plan
 from k3mk.ir.table_exec import table_order
 from k3mk.ir.task_table import TaskTable
 
@@ -127,8 +127,8 @@ def replay(table: TaskTable, task_bytes: Sequence[Sequence[tuple[int, int]]], ri
         # the producer: the record slot, a routed expert's wait for its router, then the fills
         p = max(producer[s], ends[s][k - ring.records] if k >= ring.records else 0.0)
         produce_start, blocked_before = p, blocked_s
-        if producer_waits(variant.op):
-            p = max([p] + [event_done[e] + costs.handoff for e in task.wait])
+        if task.weight_wait is not None:
+            p = max(p, event_done[task.weight_wait] + costs.handoff)
         fills = plan.task_fills(task.operands.get("row_count", 0)) if plan is not None else 0
         fill_bytes = weight_bytes / fills if fills else 0.0
         # the consumers take the task once its record is there and the previous task is done (the profile's

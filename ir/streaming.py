@@ -16,8 +16,9 @@ so each stream of a fill is ONE bulk copy of contiguous bytes. A task's fills co
 and fill (b, g, ...) belongs to consumer warp (b * groups + g) % warps, or, in expert_combine (whose
 requests and row groups run one after another, a barrier between them), slot j's to warp j % warps. A warp
 consumes its fills in order and releases each one before it reaches any CTA barrier; that, and a
-producer that waits only on events its task's consumers wait on too, is why the ring cannot deadlock
-(the argument is in TaskTable.check_deadlock_free).
+producer that waits only for an event complete before its task's consumers may start (a routed expert's
+router: every event the task waits on comes after it), is why the ring cannot deadlock (check_ring
+executes it; the argument is in TaskTable.check_deadlock_free).
 
 Bit-exactness: a lane of the consumer warp sums the elements it would sum in a loop over the whole
 row (16-byte vectors lane, lane + 32, ... of the row), in the same order, so a streamed op computes
@@ -36,8 +37,9 @@ LANE_ORDER_ELEMENTS = 32 * 8  # bf16: 32 lanes x one 16-byte vector: a lane's st
 MXFP4_LANE_ORDER_ELEMENTS = 32 * 32  # MXFP4: 32 lanes x one 32-code group
 ACCUMULATOR_BUDGET = 16  # fp32 accumulators per lane (rows x batch x gated streams) a fill may need
 STREAMING_OPS = ("gemv", "expert_gated", "expert_combine")
-# Ops whose producer waits on the task's events before issuing (the experts' rows are known once the
-# router has written the ids); every other op's producer never waits on an event.
+# Ops whose producer waits before issuing, on the task's weight wait only (the experts' rows are known
+# once the router has written the ids: passes/build_events.py "weight waits"); every other op's producer
+# never waits on an event.
 PRODUCER_WAITS = frozenset({"expert_gated", "expert_combine"})
 
 
@@ -174,7 +176,7 @@ def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | 
 
 
 def producer_waits(op: str) -> bool:
-    """Whether the producer waits on the task's events before issuing its fills (the routed experts)."""
+    """Whether the producer waits on an event (the task's weight wait) before issuing its fills (the routed experts)."""
     return op in PRODUCER_WAITS
 
 
@@ -192,7 +194,7 @@ class RingModel:
 def check_ring(table: Any, ring: RingModel, rng: Any = None) -> None:
     """Execute one step of `table` abstractly with the streaming loop's processes: per CTA a producer
     (forwards record i once its consumers finished task i - records; for a routed expert, waits on the
-    task's events; issues the task's fills, fill f once fill f - slots was released) and its consumers
+    task's weight wait, the router's event; issues the task's fills, fill f once fill f - slots was released) and its consumers
     (take record j once forwarded, wait on the task's events, consume the task's fills as they land,
     signal). Raises ValueError naming the stuck producers and consumers if some task never runs.
 
@@ -213,8 +215,8 @@ def check_ring(table: Any, ring: RingModel, rng: Any = None) -> None:
         plan = plans[t.opcode]
         return plan.task_fills(t.operands.get("row_count", 0)) if plan else 0
 
-    def missing(t) -> int | None:
-        return next((e for e in t.wait if seen[e] < counts[e]), None)
+    def missing(events) -> int | None:
+        return next((e for e in events if seen[e] < counts[e]), None)
 
     p_task, p_fills, p_within, forwarded, p_waited = [0] * n, [0] * n, [0] * n, [0] * n, [False] * n
     c_task, c_fills, c_within, started = [0] * n, [0] * n, [0] * n, [False] * n
@@ -235,8 +237,8 @@ def check_ring(table: Any, ring: RingModel, rng: Any = None) -> None:
                 if i - ring.records >= c_task[s]:
                     break  # the record slot is still the consumers' (task i - records)
                 forwarded[s], moved, budget = i + 1, True, budget - 1
-            if producer_waits(table.variants[t.opcode].op) and not p_waited[s]:
-                e = missing(t)
+            if t.weight_wait is not None and not p_waited[s]:
+                e = missing((t.weight_wait,))
                 if e is not None:
                     blocked.setdefault(e, []).append((s, "producer"))
                     break
@@ -259,7 +261,7 @@ def check_ring(table: Any, ring: RingModel, rng: Any = None) -> None:
             if not started[s]:
                 if forwarded[s] <= j:
                     break
-                e = missing(t)
+                e = missing(t.wait)
                 if e is not None:
                     blocked.setdefault(e, []).append((s, "consumer"))
                     break
@@ -310,5 +312,8 @@ def _where(table: Any, s: int, i: int, seen: list[int], counts: list[int]) -> st
     if i >= len(tasks):
         return "done"
     t = tasks[i]
-    waits = ", ".join(f"event {e} ({table.events[e].name}: {seen[e]}/{counts[e]})" for e in t.wait) or "no events"
-    return f"at task {i} ({t.label or table.variants[t.opcode].op}; waits on {waits})"
+    def name(events) -> str:
+        return ", ".join(f"event {e} ({table.events[e].name}: {seen[e]}/{counts[e]})" for e in events) or "no events"
+
+    weights = "" if t.weight_wait is None else f"; its weights wait on {name((t.weight_wait,))}"
+    return f"at task {i} ({t.label or table.variants[t.opcode].op}; waits on {name(t.wait)}{weights})"

@@ -1,4 +1,4 @@
-"""CPU executor of a TASK TABLE (ir/task_table.py, format 2): runs the table's own tasks, from their
+"""CPU executor of a TASK TABLE (ir/task_table.py, format 3): runs the table's own tasks, from their
 opcode, compile-time params and OPERAND WORDS (arena byte offsets into one flat byte arena, pointer-table
 indices into the weights ++ states, tile coordinates), in an order its events allow, each with the
 reference semantics of its op kind (ir/semantics.py / ir/fused.py, the compositions the templates

@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from k3mk.ir.streaming import RingModel, check_ring
+from k3mk.ir.streaming import RingModel, check_ring, producer_waits
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: the producer's weight wait (W_WEIGHT_WAIT, W_WEIGHT_COUNT)
 MAGIC = 0x5454334B  # b"K3TT" little-endian
 HEADER_WORDS = 16
 TASK_WORDS = 32  # 128 bytes per task
@@ -39,7 +39,7 @@ NO_EVENT = -1
 ARENA_ALIGN = 16  # every arena offset an op vector-loads from is 16-byte aligned
 
 # Task header word indices (device code reads these; keep in sync with codegen/templates).
-W_OPCODE, W_WAIT0, W_COUNT0, W_WAIT1, W_COUNT1, W_SIGNAL, W_FLAGS, W_RESERVED = range(TASK_HEADER_WORDS)
+W_OPCODE, W_WAIT0, W_COUNT0, W_WAIT1, W_COUNT1, W_SIGNAL, W_WEIGHT_WAIT, W_WEIGHT_COUNT = range(TASK_HEADER_WORDS)
 
 # File header word indices.
 H_MAGIC, H_VERSION, H_HEADER_WORDS, H_TASK_WORDS = 0, 1, 2, 3
@@ -480,6 +480,9 @@ class Task:
     wait: tuple[int, ...] = ()  # at most 2 event ids
     signal: int | None = None
     label: str = ""
+    # the event the producer warp waits for before streaming the weights (a routed expert's router:
+    # ir/streaming.py PRODUCER_WAITS ops have one, no other op has)
+    weight_wait: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "operands", MappingProxyType({k: v for k, v in self.operands.items() if v != 0}))
@@ -616,6 +619,11 @@ class TaskTable:
                 raise TaskTableError(f"buffer {b.name!r}: unknown role {b.role!r}")
             if b.offset % ARENA_ALIGN or b.offset < 0 or b.offset + b.nbytes > self.arena_bytes:
                 raise TaskTableError(f"buffer {b.name!r} [{b.offset}, +{b.nbytes}) outside arena {self.arena_bytes} or unaligned")
+        ids_writers: dict[int, set] = {}  # arena offset of expert ids -> the events of the router tasks writing them
+        for tasks in self.lists:
+            for t in tasks:
+                if 0 <= t.opcode < len(self.variants) and self.variants[t.opcode].op in ("router", "router_topk"):
+                    ids_writers.setdefault(t.operands.get("ids", 0), set()).add(t.signal)
         for s, tasks in enumerate(self.lists):
             for i, t in enumerate(tasks):
                 where = f"list {s} task {i} ({t.label or 'unlabelled'})"
@@ -636,12 +644,20 @@ class TaskTable:
                         raise TaskTableError(f"{where}: {name}={value} is a weight id, the table declares states")
                 if len(t.wait) > 2:
                     raise TaskTableError(f"{where}: at most 2 waits, got {len(t.wait)}")
-                for e in (*t.wait, *(() if t.signal is None else (t.signal,))):
+                weight_wait = () if t.weight_wait is None else (t.weight_wait,)
+                for e in (*t.wait, *weight_wait, *(() if t.signal is None else (t.signal,))):
                     if not 0 <= e < len(self.events):
                         raise TaskTableError(f"{where}: event {e} out of range ({len(self.events)} events)")
-                for e in t.wait:
+                for e in (*t.wait, *weight_wait):
                     if counts[e] == 0:
                         raise TaskTableError(f"{where}: waits on event {e} ({self.events[e].name}) that no task signals")
+                if t.weight_wait is not None and not producer_waits(kind.name):
+                    raise TaskTableError(f"{where}: {kind.name} streams weights known at compile time: no weight wait")
+                writers = ids_writers.get(t.operands.get("ids", 0), set()) if producer_waits(kind.name) else set()
+                if writers and t.weight_wait not in writers:
+                    raise TaskTableError(f"{where}: {kind.name} reads expert ids a router task writes (event "
+                                         f"{sorted(writers)}), but its producer's weight wait is {t.weight_wait}: it would "
+                                         f"stream the experts of stale ids")  # fmt: skip
         self._check_comm()
         self.check_deadlock_free()
 
@@ -760,6 +776,8 @@ class TaskTable:
         w[W_WAIT0], w[W_COUNT0] = waits[0], (counts[waits[0]] if waits[0] >= 0 else 0)
         w[W_WAIT1], w[W_COUNT1] = waits[1], (counts[waits[1]] if waits[1] >= 0 else 0)
         w[W_SIGNAL] = NO_EVENT if t.signal is None else t.signal
+        w[W_WEIGHT_WAIT] = NO_EVENT if t.weight_wait is None else t.weight_wait
+        w[W_WEIGHT_COUNT] = 0 if t.weight_wait is None else counts[t.weight_wait]
         names = OP_KINDS[self.variants[t.opcode].op].operands
         for k, name in enumerate(names):
             w[TASK_HEADER_WORDS + k] = t.operands.get(name, 0)
@@ -806,7 +824,8 @@ class TaskTable:
                 ops = {n: w[TASK_HEADER_WORDS + k] for k, n in enumerate(names)}
                 waits = tuple(e for e in (w[W_WAIT0], w[W_WAIT1]) if e != NO_EVENT)
                 signal = None if w[W_SIGNAL] == NO_EVENT else w[W_SIGNAL]
-                tasks.append(Task(w[W_OPCODE], ops, waits, signal, meta["labels"][s][j]))
+                weight_wait = None if w[W_WEIGHT_WAIT] == NO_EVENT else w[W_WEIGHT_WAIT]
+                tasks.append(Task(w[W_OPCODE], ops, waits, signal, meta["labels"][s][j], weight_wait))
             lists.append(tasks)
         table = TaskTable(
             variants=variants,

@@ -110,6 +110,10 @@ class Task:
     flops: int = 0
     waits: list[tuple[int, int]] = field(default_factory=list)  # (event id, expected count per step)
     signals: list[int] = field(default_factory=list)  # event ids incremented once when done
+    # (event id, expected count) the producer warp waits for before streaming the task's weights: the
+    # writers of the input that picks them (Op.weight_index_input: a routed expert's ids); [] for weights
+    # known at compile time, which never wait
+    weight_waits: list[tuple[int, int]] = field(default_factory=list)
     sm: int = -1  # assigned by the schedule
     order: int = -1  # position in its SM's list
     op: Op | None = None  # what the task evaluates: the node's op with its tile's attributes (module doc)
@@ -124,9 +128,10 @@ class Task:
         tile = ",".join(f"{k}={v}" for k, v in sorted(self.tile.items()))
         waits = " ".join(f"wait(e{e}>={c})" for e, c in self.waits)
         sigs = " ".join(f"signal(e{e})" for e in self.signals)
+        weight_waits = " ".join(f"weights_wait(e{e}>={c})" for e, c in self.weight_waits)
         return (
             f"t{self.id} {self.node}[{tile}] sm={self.sm}#{self.order} "
-            f"R={[r.text() for r in self.reads]} W={[r.text() for r in self.writes]} {waits} {sigs}".rstrip()
+            f"R={[r.text() for r in self.reads]} W={[r.text() for r in self.writes]} {waits} {weight_waits} {sigs}".replace("  ", " ").rstrip()
         )
 
 

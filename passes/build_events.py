@@ -26,6 +26,12 @@ one when that is safe (every waiter of either comes after every producer of both
 cycle can form) - events of one node first, else the pair whose producers are closest. An unresolvable
 excess is an error naming the task and its events.
 
+Weight waits: a task whose streamed weights depend on an input's run-time values (Op.weight_index_input,
+a routed expert's ids) gets `weight_waits`, the one event of that input's writers (the router), for the
+producer warp that streams its weights ahead of the consumers: it waits for the ids only, not for the
+task's other inputs (a combine's gated activations). That event exists even where the task's own waits
+leave it implied by another (the combine waits on the gated stage, which waited on the router).
+
 Guarantees to check_events and schedule: `tg.events` (ids in order of first producer), each task's
 `waits` [(event, expected)] and `signals` [event] filled; every event's producers come before every
 waiter in task id order (so id order stays a topological order); `tg.meta` counts events and waits.
@@ -379,13 +385,35 @@ class EventBuilder:
         return bits
 
 
+def _weight_classes(tg: TaskGraph, needs: Needs, builder: EventBuilder) -> dict[int, int]:
+    """Per task whose weights an input picks at run time, the event class of that input's writers
+    (module docstring, "Weight waits")."""
+    out: dict[int, int] = {}
+    for t in tg.tasks:
+        index = None if t.op is None else type(t.op).weight_index_input
+        if index is None:
+            continue
+        arg = t.args[index]
+        if tg.graph.tensors[arg.tensor].role in (Role.STATE, Role.INPUT):
+            continue  # ids the step is given: known before the launch, the producer need not wait
+        writers = needs.acc.writer_boxes(arg.tensor)
+        group = needs._group(writers.tasks_of(writers.hits(list(arg.boxes))))
+        classes = {builder.classes.find(p) for p in group}
+        if len(classes) != 1:
+            raise EventError(f"task t{t.id} ({t.node}) streams weights picked by {arg.tensor}, written by "
+                             f"{len(group)} tasks in {len(classes)} events: its producer can wait on one")  # fmt: skip
+        out[t.id] = classes.pop()
+    return out
+
+
 def build_events(tg: TaskGraph, target: Any = None, max_waits: int = MAX_WAITS) -> TaskGraph:
     """Fill `tg.events` and every task's `waits` / `signals` (module docstring). Mutates and returns `tg`."""
     needs = Needs(tg)
     builder = EventBuilder(tg, needs, max_waits)
     builder.run()
     find = builder.classes.find
-    waited = {find(c) for ws in builder.waits for c in ws}
+    weight_classes = _weight_classes(tg, needs, builder)
+    waited = {find(c) for ws in builder.waits for c in ws} | {find(c) for c in weight_classes.values()}
     producers: dict[int, list[int]] = {}
     for t in range(len(tg.tasks)):
         r = find(t)
@@ -398,6 +426,9 @@ def build_events(tg: TaskGraph, target: Any = None, max_waits: int = MAX_WAITS) 
         r = find(t.id)
         t.signals = [event_of[r]] if r in event_of else []
         t.waits = [(e, len(producers[order[e]])) for e in sorted({event_of[find(c)] for c in builder.waits[t.id]})]
+        if t.id in weight_classes:
+            e = event_of[find(weight_classes[t.id])]
+            t.weight_waits = [(e, len(producers[order[e]]))]
     tg.meta.update(
         events=len(tg.events),
         waits=sum(len(t.waits) for t in tg.tasks),

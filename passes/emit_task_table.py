@@ -1,5 +1,5 @@
 """emit_task_table: the scheduled TaskGraph -> the binary task table the megakernel executes
-(ir/task_table.py, docs/task_table.md, format 2).
+(ir/task_table.py, docs/task_table.md, format 3).
 
 Input: a TaskGraph after schedule (every task on one SM list, at most 2 waits and 1 signal per task
 as build_events guarantees). Output: an `EmittedTable` holding the `TaskTable`, its encoded bytes and
@@ -9,7 +9,7 @@ the TaskGraph it came from; its `verify()` decodes the bytes and checks they giv
   which must equal the expected count the waiters carry (checked here: a miscount is a hang);
 - weights: one entry per IR WEIGHT tensor, sorted by name (the order the manifest lists; weights are
   bound by name at load time, a weight operand is an index into this table);
-- states (format 2): one entry per IR STATE tensor (KDA conv / recurrent state, MLA latent cache),
+- states (format 3): one entry per IR STATE tensor (KDA conv / recurrent state, MLA latent cache),
   sorted by name, pointer-table entries after the weights; the STATE_OUT of a state is the same entry
   (updated in place);
 - buffers: every arena tensor at its planned offset; step inputs and outputs that a task reads or
@@ -136,12 +136,12 @@ class _Context:
 
     def whole(self, task: GraphTask, a: Operand) -> None:
         if a.boxes != (tuple((0, s) for s in self.shape(a)),):
-            raise EmitError(f"task t{task.id} ({task.node}): format 2 needs all of '{a.tensor}', the tile has {a.text()}")
+            raise EmitError(f"task t{task.id} ({task.node}): format 3 needs all of '{a.tensor}', the tile has {a.text()}")
 
     def dtype(self, task: GraphTask, a: Operand, allowed: tuple[str, ...] = ("bfloat16",)) -> str:
         name = dtype_name(self.graph.tensors[a.tensor].dtype)
         if name not in allowed:
-            raise EmitError(f"task t{task.id} ({task.node}): '{a.tensor}' is {name}, format 2 takes {' or '.join(allowed)}")
+            raise EmitError(f"task t{task.id} ({task.node}): '{a.tensor}' is {name}, format 3 takes {' or '.join(allowed)}")
         return name
 
     def io_dtype(self, task: GraphTask, a: Operand) -> None:
@@ -155,7 +155,7 @@ def _rows(task: GraphTask, out: Operand, ctx: _Context) -> tuple[int, int]:
     """The (begin, count) of dim 0 of a result box that is whole along every other dim."""
     (box,) = out.boxes
     if any(b != (0, s) for b, s in zip(box[1:], ctx.shape(out)[1:])):
-        raise EmitError(f"task t{task.id} ({task.node}): format 2 tiles {out.tensor} by batch rows only, the tile has {out.text()}")
+        raise EmitError(f"task t{task.id} ({task.node}): format 3 tiles {out.tensor} by batch rows only, the tile has {out.text()}")
     return box[0][0], box[0][1] - box[0][0]
 
 
@@ -301,7 +301,7 @@ def _add(task: GraphTask, ctx: _Context) -> Lowered:
     (out,) = task.results
     runs = byte_runs(out.boxes[0], ctx.shape(out), 1)
     if len(runs) != 1 or a.boxes != out.boxes or b.boxes != out.boxes:
-        raise EmitError(f"task t{task.id} ({task.node}): format 2's add takes one contiguous range, the tile is {out.text()}")
+        raise EmitError(f"task t{task.id} ({task.node}): format 3's add takes one contiguous range, the tile is {out.text()}")
     for x in (a, b, out):
         ctx.dtype(task, x)
     (begin, end), = runs
@@ -663,7 +663,7 @@ class EmittedTable:
         lines += [f"buffer {b.name} @{b.offset} {b.dtype}{list(b.shape)}" for b in t.buffers]
         for s, tasks in enumerate(t.lists):
             for i, task in enumerate(tasks):
-                waits = " ".join(f"wait(e{e})" for e in task.wait)
+                waits = " ".join([f"wait(e{e})" for e in task.wait] + ([f"weights_wait(e{task.weight_wait})"] if task.weight_wait is not None else []))
                 signal = f" signal(e{task.signal})" if task.signal is not None else ""
                 ops = " ".join(f"{k}={v}" for k, v in task.operands.items())
                 lines.append(f"sm{s}#{i} {task.label}: op{task.opcode} {ops} {waits}{signal}".rstrip())
@@ -706,14 +706,14 @@ def _io_offsets(tg: TaskGraph) -> tuple[dict[str, int], int]:
 
 
 def emit_task_table(tg: TaskGraph, target: Any = None) -> EmittedTable:
-    """Lower every task (module docstring); raise EmitError for what format 2 cannot express."""
+    """Lower every task (module docstring); raise EmitError for what format 3 cannot express."""
     listed = sorted(t for ts in tg.sm_lists for t in ts)
     if listed != list(range(len(tg.tasks))):
         raise EmitError("every task must be on exactly one SM list: run the schedule pass first")
     unsupported = Counter(t.op.name if t.op is not None else "<no recipe>" for t in tg.tasks if t.op is None or t.op.name not in LOWER)
     if unsupported:
         kinds = ", ".join(f"{n} ({c} tasks)" for n, c in sorted(unsupported.items()))
-        raise EmitError(f"task table format 2 has no op kind for: {kinds}")
+        raise EmitError(f"task table format 3 has no op kind for: {kinds}")
     if [e.id for e in tg.events] != list(range(len(tg.events))):
         raise EmitError("event ids must be 0..n-1 in order (run build_events)")
     graph = tg.graph
@@ -737,13 +737,18 @@ def emit_task_table(tg: TaskGraph, target: Any = None) -> EmittedTable:
         for i in ids:
             task = tg.tasks[i]
             if len(task.signals) > 1 or len(task.waits) > 2:
-                raise EmitError(f"task t{i} ({task.node}) waits on {len(task.waits)} events and signals {len(task.signals)}: format 2 allows 2 and 1")
+                raise EmitError(f"task t{i} ({task.node}) waits on {len(task.waits)} events and signals {len(task.signals)}: format 3 allows 2 and 1")
             for e, count in task.waits:
                 if count != expected[e]:
                     raise EmitError(f"task t{i} ({task.node}) waits for {count} signals of e{e}, which has {expected[e]} producers")
             variant, operands = LOWER[task.op.name](task, ctx)
             opcode = variants.setdefault(variant, len(variants))
-            tasks.append(Task(opcode, operands, tuple(e for e, _ in task.waits), task.signals[0] if task.signals else None, f"t{i} {task.node}"))
+            for e, count in task.weight_waits:
+                if count != expected[e]:
+                    raise EmitError(f"task t{i} ({task.node})'s weights wait for {count} signals of e{e}, which has {expected[e]} producers")
+            weight_wait = task.weight_waits[0][0] if task.weight_waits else None
+            tasks.append(Task(opcode, operands, tuple(e for e, _ in task.waits), task.signals[0] if task.signals else None,
+                              f"t{i} {task.node}", weight_wait))  # fmt: skip
         lists.append(tasks)
     table = TaskTable(
         variants=list(variants),

@@ -1,5 +1,5 @@
 """A whole compiled decode step: an artifact built by `k3mk.compiler.pipeline.compile_artifact` (task
-table format 2: weights, decode state and step inputs / outputs bound by name), run as exactly ONE
+table format 3: weights, decode state and step inputs / outputs bound by name), run as exactly ONE
 kernel launch per step.
 
     model = DecodeModel(artifact_dir, weights)          # weights: {canonical name: torch tensor} on the GPU

@@ -16,13 +16,13 @@ import sys
 from array import array
 from dataclasses import dataclass
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MAGIC = 0x5454334B
 HEADER_WORDS = 16
 TASK_WORDS = 32
 H_MAGIC, H_VERSION, H_HEADER_WORDS, H_TASK_WORDS, H_NUM_LISTS, H_NUM_TASKS, H_NUM_EVENTS, H_NUM_VARIANTS = range(8)
 H_LISTS_OFFSET, H_TASKS_OFFSET, H_EVENTS_OFFSET, H_DEVICE_WORDS, H_META_BYTES = 8, 9, 10, 11, 12
-W_OPCODE, W_WAIT0, W_COUNT0, W_WAIT1, W_COUNT1, W_SIGNAL, W_FLAGS, W_RESERVED = range(8)  # an absent event is NO_EVENT
+W_OPCODE, W_WAIT0, W_COUNT0, W_WAIT1, W_COUNT1, W_SIGNAL, W_WEIGHT_WAIT, W_WEIGHT_COUNT = range(8)  # an absent event is NO_EVENT
 NO_EVENT = -1
 
 
@@ -133,21 +133,20 @@ def check_structure(h: tuple[int, ...], device: bytes) -> None:
     counts = words[events : events + n_events]
     signals = [0] * n_events
     for i in range(n_tasks):
-        w = words[tasks + i * TASK_WORDS : tasks + i * TASK_WORDS + W_RESERVED + 1]
+        w = words[tasks + i * TASK_WORDS : tasks + i * TASK_WORDS + W_WEIGHT_COUNT + 1]
         if not 0 <= w[W_OPCODE] < n_variants:
             raise TaskTableFormatError(f"{_where(offsets, i)}: opcode {w[W_OPCODE]} is not one of the {n_variants} variants")
-        for slot, (event, count) in enumerate(((w[W_WAIT0], w[W_COUNT0]), (w[W_WAIT1], w[W_COUNT1]))):
+        waits = (("wait 0", w[W_WAIT0], w[W_COUNT0]), ("wait 1", w[W_WAIT1], w[W_COUNT1]), ("the weight wait", w[W_WEIGHT_WAIT], w[W_WEIGHT_COUNT]))
+        for slot, event, count in waits:
             if event == NO_EVENT and count == 0:
                 continue
             if not 0 <= event < n_events or count != counts[event] or count < 1:
-                raise TaskTableFormatError(f"{_where(offsets, i)}: wait {slot} on event {event} expecting {count} per step "
+                raise TaskTableFormatError(f"{_where(offsets, i)}: {slot} on event {event} expecting {count} per step "
                                            f"(events 0..{n_events - 1}; the count must be the event's, {counts[event] if 0 <= event < n_events else '-'})")  # fmt: skip
         if w[W_SIGNAL] != NO_EVENT:
             if not 0 <= w[W_SIGNAL] < n_events:
                 raise TaskTableFormatError(f"{_where(offsets, i)}: signals event {w[W_SIGNAL]}, outside 0..{n_events - 1}")
             signals[w[W_SIGNAL]] += 1
-        if w[W_FLAGS] or w[W_RESERVED]:
-            raise TaskTableFormatError(f"{_where(offsets, i)}: reserved words are not zero")
     if signals != list(counts):
         event = next(v for v in range(n_events) if signals[v] != counts[v])
         raise TaskTableFormatError(f"event {event}: its count says {counts[event]} signals per step, the tasks make {signals[event]}")

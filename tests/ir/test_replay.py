@@ -73,7 +73,7 @@ def test_a_routed_experts_fills_start_after_its_router():
     f = fills(EXPERT, 64)
     w = 2 * 64 * 64 * 2
     b = w / f
-    lists = [[Task(2, {}, (), 0, "router")], [Task(1, {"weight": 1, "weight_up": 1, "row_count": 64}, (0,), None, "expert")]]
+    lists = [[Task(2, {}, (), 0, "router")], [Task(1, {"weight": 1, "weight_up": 1, "row_count": 64}, (0,), None, "expert", weight_wait=0)]]
     r = replay(table_of(lists, 1), [[(0, 4096)], [(w, 0)]], RingModel(64, 4, 8), COSTS)
     router_end = COSTS.direct_default[0] + 4096 / COSTS.direct_default[1]
     last_land = router_end + COSTS.handoff + COSTS.fill_latency + (f - 1) * b / COSTS.sm_stream
@@ -100,3 +100,17 @@ def test_a_ctas_next_task_starts_its_overhead_after_the_previous_body():
     a, b = (COSTS.direct_time("nop", n) for n in (1000, 3000))
     assert r.step_s == pytest.approx(a + COSTS.task_overhead + b, rel=1e-12)
     assert r.times[0][1][0] == pytest.approx(a + COSTS.task_overhead, rel=1e-12)  # b's start stamp
+
+
+def test_a_combines_weights_stream_while_the_stage_it_waits_for_runs():
+    """The expert waits (consumers) for a long task on CTA 1 but its weights only for the router: they are in
+    the ring when the wait ends, so its body is the prologue plus consuming them."""
+    f = fills(EXPERT, 64)
+    w = 2 * 64 * 64 * 2
+    lists = [[Task(2, {}, (), 0, "router")], [Task(3, {}, (), 1, "gated")],
+             [Task(1, {"weight": 1, "weight_up": 1, "row_count": 64}, (0, 1), None, "combine", weight_wait=0)]]
+    r = replay(table_of(lists, 2), [[(0, 4096)], [(0, 20000)], [(w, 0)]], RingModel(64, 4, 8), COSTS)
+    gated_end = COSTS.direct_time("nop", 20000)
+    router_end = COSTS.direct_default[0] + 4096 / COSTS.direct_default[1]
+    assert router_end + COSTS.handoff + COSTS.fill_latency + (f - 1) * (w / f) / COSTS.sm_stream < gated_end + COSTS.handoff
+    assert r.step_s == pytest.approx(gated_end + COSTS.handoff + COSTS.prologue + w / COSTS.consume["bfloat16"], rel=1e-12)

@@ -5,6 +5,7 @@ consumers is refused, naming the producer and what it waits for."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import sys
 from pathlib import Path
@@ -44,6 +45,29 @@ def test_emitted_tables_complete_with_any_ring(name, batch):
         check_ring(table, RingModel(2, 2, 8), random.Random(seed))
 
 
+@pytest.mark.parametrize("name, batch", [("k3-tiny", 1), ("k3-tiny", 4), ("kl", 4)])
+def test_expert_producers_wait_for_their_router_only(name, batch):
+    """Every routed-expert task's producer waits on its router's event: for the gated half one of the
+    task's own waits, for the combine (which waits on the gated stage) an event the task's own waits
+    leave implied, so its weights stream while the gated stage runs. No other task's producer waits."""
+    table = emitted(name, batch)[2].table
+    router = {i for i, v in enumerate(table.variants) if v.op in ("router", "router_topk")}
+    router_events = {t.signal for ts in table.lists for t in ts if t.opcode in router}
+    combines = 0
+    for t in (t for ts in table.lists for t in ts):
+        op = table.variants[t.opcode].op
+        if op not in ("expert_gated", "expert_combine"):
+            assert t.weight_wait is None
+            continue
+        assert t.weight_wait in router_events, t.label
+        if op == "expert_gated":
+            assert t.weight_wait in t.wait, t.label
+        else:
+            combines += 1
+            assert t.weight_wait not in t.wait, t.label
+    assert combines > 0
+
+
 def table_of(lists, variants=(GEMV, EXPERT, ROUTER), events=2) -> TaskTable:
     weights = [WeightSpec("w", "bfloat16", (256, 64)), WeightSpec("w13", "bfloat16", (4, 64, 64))]
     return TaskTable(list(variants), lists, [Event(f"e{i}") for i in range(events)], weights=weights, arena_bytes=4096)
@@ -54,18 +78,18 @@ def test_a_producer_that_waits_behind_its_own_consumers_is_refused():
     for the router's ids, so it never forwards the router's record, and the consumers (who need that
     record) never run the router."""
     gemv = Task(0, {"weight": 0, "row_count": 64}, (), 1, "gemv")
-    expert = Task(1, {"weight": 1, "weight_up": 1, "row_count": 64}, (0,), None, "expert")
+    expert = Task(1, {"weight": 1, "weight_up": 1, "row_count": 64}, (0,), None, "expert", weight_wait=0)
     router = Task(2, {}, (1,), 0, "router")
     table = table_of([[gemv, expert, router]])
     with pytest.raises(TaskTableError, match=r"(?s)deadlock in the streaming loop.*CTA 0: producer at task 1 \(expert; waits on "
-                                              r"event 0 \(e0: 0/1\)\); consumers at task 1"):  # fmt: skip
+                                              r"event 0 \(e0: 0/1\); its weights wait on event 0 \(e0: 0/1\)\); consumers at task 1"):  # fmt: skip
         table.check_deadlock_free(ring=RingModel(4, 4, 8))
 
 
 def test_the_same_tasks_in_a_sound_order_complete():
     gemv = Task(0, {"weight": 0, "row_count": 64}, (), 1, "gemv")
     router = Task(2, {}, (1,), 0, "router")
-    expert = Task(1, {"weight": 1, "weight_up": 1, "row_count": 64}, (0,), None, "expert")
+    expert = Task(1, {"weight": 1, "weight_up": 1, "row_count": 64}, (0,), None, "expert", weight_wait=0)
     table_of([[gemv, router, expert]]).check_deadlock_free(ring=RingModel(1, 1, 8))
 
 
@@ -77,3 +101,14 @@ def test_a_ring_of_one_slot_streams_a_task_larger_than_the_ring():
     b = Task(0, {"weight": 0, "row_count": 256}, (0,), 1, "b")
     c = Task(3, {}, (1,), None, "c")
     table_of([[a], [b], [c]], (GEMV, EXPERT, ROUTER, OpVariant("nop", NopParams()))).check_deadlock_free(ring=RingModel(1, 1, 8))
+
+
+def test_an_expert_whose_producer_would_not_wait_for_its_router_is_refused():
+    """The router writes the ids the expert reads: an expert task without that weight wait would let its
+    producer stream the experts of the previous step's ids (a race, not a hang: only this check sees it)."""
+    router = Task(2, {}, (), 0, "router")
+    expert = Task(1, {"weight": 1, "weight_up": 1, "row_count": 64}, (0,), None, "expert")
+    with pytest.raises(TaskTableError, match=r"expert_gated reads expert ids a router task writes \(event \[0\]\), but its "
+                                             r"producer's weight wait is None"):  # fmt: skip
+        table_of([[router], [expert]]).validate()
+    table_of([[router], [dataclasses.replace(expert, weight_wait=0)]]).validate()

@@ -1,4 +1,4 @@
-"""The whole decode step of k3-tiny and a small Kimi Linear config, lowered to task table format 2 and
+"""The whole decode step of k3-tiny and a small Kimi Linear config, lowered to task table format 3 and
 executed FROM THE TABLE (ir/table_exec.py: opcodes, params, operand words, pointer table, events), the
 same bytes the GPU runs: bit for bit the interpreter on the fused graph, states included, over 2 steps;
 and the artifact build of the whole k3-tiny table (one kernel, sm_90a cubin) with its manifest."""
@@ -70,7 +70,7 @@ def test_format_2_operands():
     """State operands index the pointer table after the weights; embedding tiles rows."""
     _, _, out = emitted("k3-tiny", 4)
     table = out.table
-    assert FORMAT_VERSION == 2 and "batch_begin" in OP_KINDS["embedding"].operands
+    assert FORMAT_VERSION == 3 and "batch_begin" in OP_KINDS["embedding"].operands
     nw = len(table.weights)
     for tasks in table.lists:
         for t in tasks:
@@ -99,7 +99,7 @@ def test_whole_k3_tiny_artifact(tmp_path, arch):
     for key in ("task_table_format", "k3mk_version", "cutlass_dsl_version", "arch", "sm_count", "tp", "max_tokens", "max_context",
                 "weight_format", "kv_dtype", "state_layouts", "config_hash", "params", "buffers", "weights", "states"):  # fmt: skip
         assert key in m, key
-    assert m["task_table_format"] == 2 and m["weight_format"] == "mxfp4" and m["kv_dtype"] == "bfloat16"
+    assert m["task_table_format"] == 3 and m["weight_format"] == "mxfp4" and m["kv_dtype"] == "bfloat16"
     assert m["kernel_name"] == "k3mk_megakernel_0" and m["tp"] == 1 and m["max_context"] == MAX_CONTEXT
     for role in ("task_table", "source", "ir_captured.txt", "ir_fused.txt", "schedule.txt"):
         assert (out / m["files"][role]).exists()

@@ -1,5 +1,5 @@
 """Kimi Linear at its REAL widths (hidden 2304, 32 KDA heads of 128, 32 MLA heads, rank 512, max context
-4096), reduced in depth, lowered to task table format 2 and executed FROM THE TABLE (ir/table_exec.py)
+4096), reduced in depth, lowered to task table format 3 and executed FROM THE TABLE (ir/table_exec.py)
 bit for bit like the interpreter. It exercises what only the real sizes hit: the router too large to
 fuse (a row-tiled fp32 `linear` + the one-task `router_topk` op kind), `mla_decode` split into head
 groups of <= 8 (the template's limit), and the KV split capped at 64 chunks (mla_v_up's limit; 57-row

@@ -1,4 +1,4 @@
-"""emit_task_table: the scheduled TaskGraph -> format 2 task table; round trip through
+"""emit_task_table: the scheduled TaskGraph -> format 3 task table; round trip through
 ir/task_table.py's decode, operands that point at the plan, and the table's own synchronisation
 executed by the task simulator."""
 

@@ -47,7 +47,7 @@ def test_reader_constants_agree_with_the_format():
         tt.FORMAT_VERSION, tt.MAGIC, tt.HEADER_WORDS, tt.TASK_WORDS)  # fmt: skip
     for name in ("H_MAGIC", "H_VERSION", "H_HEADER_WORDS", "H_TASK_WORDS", "H_NUM_LISTS", "H_NUM_TASKS", "H_NUM_EVENTS",
                  "H_NUM_VARIANTS", "H_LISTS_OFFSET", "H_TASKS_OFFSET", "H_EVENTS_OFFSET", "H_DEVICE_WORDS", "H_META_BYTES",
-                 "W_OPCODE", "W_WAIT0", "W_COUNT0", "W_WAIT1", "W_COUNT1", "W_SIGNAL", "W_FLAGS", "W_RESERVED", "NO_EVENT"):  # fmt: skip
+                 "W_OPCODE", "W_WAIT0", "W_COUNT0", "W_WAIT1", "W_COUNT1", "W_SIGNAL", "W_WEIGHT_WAIT", "W_WEIGHT_COUNT", "NO_EVENT"):  # fmt: skip
         assert getattr(table, name) == getattr(tt, name), name
 
 
@@ -59,8 +59,8 @@ def test_reader_reads_an_encoded_table():
     assert (loaded.device_bytes, loaded.lists_offset, loaded.tasks_offset) == (device, lists_offset, tasks_offset)
     assert (loaded.num_lists, loaded.num_events) == (8, 5)
     assert loaded.label(0, 0) == "norm[0]" and loaded.event_name(1) == "gemv_a"
-    with pytest.raises(table.TaskTableFormatError, match="format 3"):
-        table.read_table(data[:4] + (3).to_bytes(4, "little") + data[8:])
+    with pytest.raises(table.TaskTableFormatError, match="format 4"):
+        table.read_table(data[:4] + (4).to_bytes(4, "little") + data[8:])
 
 
 def manifest(**changes) -> Manifest:
@@ -80,8 +80,8 @@ def test_manifest_checks():
         check_device(manifest(), (10, 0), 148, "B200")
     with pytest.raises(ArtifactError, match="needs 132 co-resident CTAs .* has 114 SMs"):
         check_device(manifest(), (9, 0), 114)
-    with pytest.raises(ArtifactError, match="task table format 3"):
-        check_versions(manifest(task_table_format=3))
+    with pytest.raises(ArtifactError, match="task table format 4"):
+        check_versions(manifest(task_table_format=4))
     with pytest.raises(ArtifactError, match="parameter ABI"):
         check_versions(manifest(params=abi.params_json()[:-1]))
     with pytest.raises(ArtifactError, match="manifest version 7"):

@@ -154,7 +154,7 @@ def _task_word(data: bytearray, task: int, word: int) -> int:
         (lambda d, t, rng: _word(d, _task_word(d, t, tt.W_OPCODE), rng.randint(5, 999)), ("opcode", "is not one of the 4 variants")),
         (lambda d, t, rng: _word(d, _task_word(d, t, tt.W_SIGNAL), rng.randint(5, 999)), ("signals event", "outside 0..4")),
         (lambda d, t, rng: _word(d, _task_word(d, t, tt.W_WAIT0), rng.randint(5, 999)), ("wait 0 on event",)),
-        (lambda d, t, rng: _word(d, _task_word(d, t, tt.W_RESERVED), rng.randint(1, 999)), ("reserved words are not zero",)),
+        (lambda d, t, rng: _word(d, _task_word(d, t, tt.W_WEIGHT_WAIT), rng.randint(5, 999)), ("the weight wait on event",)),
         (lambda d, t, rng: _word(d, _word(d, tt.H_LISTS_OFFSET) + 1 + t % 7, rng.randint(10**3, 10**6)), ("list offsets must rise",)),
         (lambda d, t, rng: _word(d, tt.H_TASKS_OFFSET, _word(d, tt.H_TASKS_OFFSET) + 32 * rng.randint(100, 999)), ("the tasks", "outside the device part")),
         (lambda d, t, rng: _word(d, tt.H_NUM_EVENTS, rng.randint(-9, -1)), ("header counts",)),
