@@ -397,7 +397,7 @@ def _weight_classes(tg: TaskGraph, needs: Needs, builder: EventBuilder) -> dict[
         if tg.graph.tensors[arg.tensor].role in (Role.STATE, Role.INPUT):
             continue  # ids the step is given: known before the launch, the producer need not wait
         writers = needs.acc.writer_boxes(arg.tensor)
-        group = needs._group(writers.tasks_of(writers.hits(list(arg.boxes))))
+        group = set(writers.tasks_of(writers.hits(list(arg.boxes))))
         classes = {builder.classes.find(p) for p in group}
         if len(classes) != 1:
             raise EventError(f"task t{t.id} ({t.node}) streams weights picked by {arg.tensor}, written by "
