@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import jinja2
 
-from k3mk.codegen.ops import OP_CODEGEN, KernelConfig, VariantCode, ring_layout, smem_bytes, variant_code
+from k3mk.codegen.ops import OP_CODEGEN, KernelConfig, VariantCode, ring_layout, smem_bytes, variant_code, x_staging_limit
 from k3mk.ir import task_table as tt
 from k3mk.ir.task_table import OpVariant
 from k3mk.runtime import abi
@@ -38,7 +38,8 @@ def emit_source(variants: list[OpVariant], config: KernelConfig = KernelConfig()
         raise ValueError("a kernel needs at least one op variant")
     if config.threads % 32 or not 64 <= config.threads <= 1024:
         raise ValueError(f"threads {config.threads} must be a multiple of 32 in [64, 1024]")
-    codes: list[VariantCode] = [variant_code(i, v, config) for i, v in enumerate(variants)]
+    x_limit = x_staging_limit(variants)
+    codes: list[VariantCode] = [variant_code(i, v, config, x_limit) for i, v in enumerate(variants)]
     ring = ring_layout(variants, config)
     op_sources = [
         _ENV.get_template(OP_CODEGEN[c.op].template).render(v=c, p=c.p, kc=config).rstrip() + "\n" for c in codes

@@ -41,6 +41,7 @@ from k3mk.ir.task_table import (
 VECTOR_ELEMENTS = 8  # bf16 per 16-byte load
 MAX_BATCH = 16
 X_SMEM_BUDGET = 160 * 1024  # GEMV stages its (normalised) input in shared memory
+X_STAGE_BYTES = 48 * 1024  # ... and an input it could read from the arena up to this (x_staging_limit)
 PRODUCER_THREADS = 32  # one producer warp beside the consumers (it also forwards the task records)
 
 
@@ -61,7 +62,12 @@ class KernelConfig:
     slot_bytes: int = 16 * 1024
     ring_bytes: int = 0
     records: int = 16
-    gemv_unroll: int = 0  # 16-byte vectors per lane per loop trip of the dot loops (0: the default, 4)
+    # 16-byte vectors per lane per loop trip of the dot loops (0: the default, 1: the rows of a fill give the loads
+    # their parallelism, and a task's code must stay small: a cold variant's instructions come from L2 or HBM)
+    gemv_unroll: int = 0
+    # 1: ring fills carry the L2 evict-first policy (a step reads each weight byte once; what should stay in
+    # L2 is the activations, the cache and state rows and the kernel's own code). BENCHMARKS.md 2026-12-01, night.
+    l2_evict_first: int = 1
 
     @property
     def warps(self) -> int:
@@ -72,7 +78,7 @@ class KernelConfig:
         return self.threads + PRODUCER_THREADS
 
 
-KERNEL_TUNING = ("slot_bytes", "ring_bytes", "records", "gemv_unroll")  # `k3mk compile --kernel-option` knobs
+KERNEL_TUNING = ("slot_bytes", "ring_bytes", "records", "gemv_unroll", "l2_evict_first")  # `k3mk compile --kernel-option` knobs
 
 
 @dataclass(frozen=True)
@@ -90,15 +96,28 @@ class GemvTuning:
     x_smem: bool = True  # the input is staged in smem; False: read from the arena (gemv_x_in_smem)
 
 
-def gemv_x_in_smem(p: GemvParams) -> bool:
-    """Stage x in smem unless it does not fit (batch * in * 2 > X_SMEM_BUDGET: K3's 33792-wide dense down
-    projection at batch >= 3): then the dot loop reads x from the arena (L1 / L2). The rmsnorm prologue
-    and the gated_rmsnorm statistics need the smem copy (checked by _check_gemv)."""
-    return p.batch * p.in_features * 2 <= X_SMEM_BUDGET
+def _x_needs_smem(p: GemvParams) -> bool:
+    return p.rmsnorm or p.epilogue == "gated_rmsnorm"
 
 
-def gemv_tuning(p: GemvParams, config: KernelConfig) -> GemvTuning:
-    return GemvTuning(config.gemv_unroll or 4, gemv_x_in_smem(p))
+def gemv_x_in_smem(p: GemvParams, limit: int = X_SMEM_BUDGET) -> bool:
+    """Stage x in smem when the rmsnorm prologue or the gated_rmsnorm statistics need the copy (up to
+    X_SMEM_BUDGET: checked by _check_gemv) or when it fits `limit` (x_staging_limit); otherwise the dot
+    loop reads x from the arena (L1 / L2): K3's 33792-wide dense down projection at batch >= 3, Kimi
+    Linear's 9216-wide one at batch >= 3."""
+    return p.batch * p.in_features * 2 <= (X_SMEM_BUDGET if _x_needs_smem(p) else min(limit, X_SMEM_BUDGET))
+
+
+def x_staging_limit(variants: list[OpVariant]) -> int:
+    """The most a gemv stages of an input it could read from the arena: what the kernel's other ops already
+    need of the op smem, or X_STAGE_BYTES. The op smem is every op's and its largest need decides how many
+    ring slots are left, so one wide dense projection must not take the ring's slots from every other task
+    (Kimi Linear at batch 8: 4 slots instead of 11)."""
+    return max([X_STAGE_BYTES] + [_op_smem(v) for v in variants if v.op != "gemv" or _x_needs_smem(v.params)])
+
+
+def gemv_tuning(p: GemvParams, config: KernelConfig, limit: int = X_SMEM_BUDGET) -> GemvTuning:
+    return GemvTuning(config.gemv_unroll or 1, gemv_x_in_smem(p, limit))
 
 
 # sm_90's 227 KB of dynamic smem per block less the reduction scratch (codegen/emit.py SCRATCH_BYTES).
@@ -143,7 +162,8 @@ def ring_layout(variants: list[OpVariant], config: KernelConfig = KernelConfig()
     kernel whose ops do not stream gets the fewest slots, which leaves the L1 its share)."""
     _require(config.slot_bytes % 128 == 0 and config.slot_bytes >= 1024, f"slot_bytes {config.slot_bytes} must be a multiple of 128 >= 1024")
     _require(config.records >= 2, f"records {config.records} < 2")
-    op_bytes = max([_op_smem(v) for v in variants] + [16])
+    x_limit = x_staging_limit(variants)
+    op_bytes = max([_op_smem(v, x_limit) for v in variants] + [16])
     streaming = any(fill_plan(v.op, v.params, config.slot_bytes) is not None for v in variants)
     slots = (config.ring_bytes or OP_SMEM_LIMIT) // config.slot_bytes if streaming else MIN_RING_SLOTS
     while slots > 0 and RingLayout(op_bytes, config.slot_bytes, slots, config.records).total > OP_SMEM_LIMIT:
@@ -217,9 +237,9 @@ def _gemv_rstd_offset(p: GemvParams) -> int:
     return (p.batch * p.in_features * 2 + 15) // 16 * 16
 
 
-def _gemv_op_smem(p: GemvParams) -> int:
+def _gemv_op_smem(p: GemvParams, limit: int = X_SMEM_BUDGET) -> int:
     """The register path's smem: the staged input (and the rstd table)."""
-    if not gemv_x_in_smem(p):
+    if not gemv_x_in_smem(p, limit):
         return 0  # x read from the arena (no rmsnorm, no gated_rmsnorm: _check_gemv)
     if p.epilogue == "gated_rmsnorm":
         return _gemv_rstd_offset(p) + p.batch * (p.out_features // p.head_dim) * 4
@@ -293,10 +313,11 @@ OP_CODEGEN.update(TP_CODEGEN)
 assert set(OP_CODEGEN) == set(OP_KINDS), "every op kind needs a template"
 
 
-def variant_code(index: int, variant: OpVariant, config: KernelConfig) -> VariantCode:
+def variant_code(index: int, variant: OpVariant, config: KernelConfig, x_limit: int = X_SMEM_BUDGET) -> VariantCode:
+    """`x_limit`: the kernel's x_staging_limit."""
     gen = OP_CODEGEN[variant.op]
     gen.check(variant.params)
-    tuning = gemv_tuning(variant.params, config) if variant.op == "gemv" else None
+    tuning = gemv_tuning(variant.params, config, x_limit) if variant.op == "gemv" else None
     try:
         plan = fill_plan(variant.op, variant.params, config.slot_bytes)
     except StreamingError as e:
@@ -304,7 +325,9 @@ def variant_code(index: int, variant: OpVariant, config: KernelConfig) -> Varian
     return VariantCode(index, variant.op, variant.params, f"op{index}_{variant.op}", gen.produce or plan is not None, tuning, plan, gen.sync)
 
 
-def _op_smem(variant: OpVariant) -> int:
+def _op_smem(variant: OpVariant, x_limit: int = X_SMEM_BUDGET) -> int:
+    if variant.op == "gemv":
+        return _gemv_op_smem(variant.params, x_limit)
     return OP_CODEGEN[variant.op].smem_bytes(variant.params)
 
 

@@ -164,9 +164,9 @@ MOE_MLA_CODEGEN: dict[str, OpCodegen] = {
     "expert_gated": OpCodegen("expert_gated.py.j2", _expert_gated_smem, _check_expert_gated),
     "expert_combine": OpCodegen("expert_combine.py.j2", _expert_combine_smem, _check_expert_combine),
     "mla_latent": OpCodegen("mla_latent.py.j2", _none, _check_mla_latent),
-    "mla_q_absorb": OpCodegen("mla_q_absorb.py.j2", lambda p: q_absorb_layout(p)["total"], _check_mla_q_absorb),
-    "mla_decode": OpCodegen("mla_decode.py.j2", lambda p: decode_layout(p)["total"], _check_mla_decode),
-    "mla_v_up": OpCodegen("mla_v_up.py.j2", lambda p: v_up_layout(p)["total"], _check_mla_v_up),
+    "mla_q_absorb": OpCodegen("mla_q_absorb.py.j2", lambda p: q_absorb_layout(p)["total"], _check_mla_q_absorb, produce=True),
+    "mla_decode": OpCodegen("mla_decode.py.j2", lambda p: decode_layout(p)["total"], _check_mla_decode, produce=True),
+    "mla_v_up": OpCodegen("mla_v_up.py.j2", lambda p: v_up_layout(p)["total"], _check_mla_v_up, produce=True),
 }
 
 __all__ = ["MOE_MLA_CODEGEN", "CodegenError", "router_smem_layout", "q_absorb_layout", "decode_layout", "v_up_layout"]
