@@ -88,13 +88,17 @@ def _check_expert_combine(p: ExpertCombineParams) -> None:
     _check_batch(p.batch)
     _check_weight_format("expert_combine", p.weight_format, p.in_features)
     _require(1 <= p.top_k <= p.num_experts, f"expert_combine top_k {p.top_k} outside [1, {p.num_experts}]")
-    _require(_expert_combine_smem(p) <= X_SMEM_BUDGET, f"expert_combine top_k*in*2 = {_expert_combine_smem(p)} B > {X_SMEM_BUDGET} B")
+    _require(_expert_combine_smem(p) <= X_SMEM_BUDGET, f"expert_combine smem {_expert_combine_smem(p)} B > {X_SMEM_BUDGET} B")
+
+
+COMBINE_BATCH_ROWS = 32  # rows of a task whose slot terms wait in smem for the slot-order sum (expert_combine.py.j2)
 
 
 def _expert_combine_smem(p: ExpertCombineParams) -> int:
-    # one request's slot inputs at a time, then bf16(dot) per slot of one row group (at most
-    # ACCUMULATOR_BUDGET rows: ir/streaming.py) in fp32
-    return p.top_k * p.in_features * 2 + p.top_k * ACCUMULATOR_BUDGET * 4
+    # each warp's slot input (one slot per warp and round, not all top_k: the op smem is every op's), then
+    # bf16(dot) per slot of one batch of row groups (at most max(BATCH_ROWS, a group's rows <=
+    # ACCUMULATOR_BUDGET)) in fp32
+    return THREADS // 32 * p.in_features * 2 + p.top_k * max(COMBINE_BATCH_ROWS, ACCUMULATOR_BUDGET) * 4
 
 
 # ---- MLA ------------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ def test_router_is_one_task_and_experts_wait_on_it():
         (OpVariant("expert_gated", ExpertGatedParams(48, 16, 4, 1, 2, "mxfp4")), "multiple of 32"),
         (OpVariant("expert_gated", ExpertGatedParams(64, 16, 4, 1, 2, activation="gelu")), "activation"),
         (OpVariant("expert_gated", ExpertGatedParams(64, 16, 4, 1, 2, weight_format="fp8")), "weight_format"),
-        (OpVariant("expert_combine", ExpertCombineParams(3072, 64, 32, 1, 32)), "top_k\\*in\\*2"),
+        (OpVariant("expert_combine", ExpertCombineParams(12288, 64, 32, 1, 32)), "expert_combine smem"),  # 8 warps x 12288 x 2 B of staged input
         (OpVariant("mla_latent", MlaLatentParams(500, 64, 16, 1)), "multiples of 8"),
         (OpVariant("mla_decode", MlaDecodeParams(8, 512, 64, 16, 1, 4, 16, 0.1, group_heads=64)), "group_heads 64"),
         (OpVariant("mla_q_absorb", MlaQAbsorbParams(4, 128, 64, 128, 4096, 1)), "kv_lora_rank 4096"),

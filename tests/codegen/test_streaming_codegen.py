@@ -152,8 +152,8 @@ def test_ring_layout():
 def test_wide_input_does_not_take_the_ring():
     """A gemv that could read x from the arena stages it only within what the kernel's other ops already need
     of the op smem (or X_STAGE_BYTES): Kimi Linear's 9216-wide dense down projection at batch 8 (147 KB of x)
-    reads x from the arena beside mla_decode's 46 KB, and keeps it in smem beside a 99 KB expert combine; an
-    rmsnorm gemv stages its x whatever the others need."""
+    reads x from the arena beside mla_decode's 46 KB, as K3's 33792-wide one (66 KB) beside the expert combine's
+    51 KB, and keeps it in smem beside a 74 KB op; an rmsnorm gemv stages its x whatever the others need."""
     from k3mk.codegen.ops import X_STAGE_BYTES, _op_smem, gemv_tuning, x_staging_limit
 
     mla = OpVariant("mla_decode", MlaDecodeParams(32, 512, 64, 8192, 8, 64, 128, 0.1, group_heads=8))
@@ -165,9 +165,11 @@ def test_wide_input_does_not_take_the_ring():
     ring = ring_layout([mla, down, normed])
     assert ring.op_bytes == max(_op_smem(mla), _op_smem(normed)) and ring.slots >= 10
     assert "reads it from the arena" in emit_source([mla, down, normed])  # the template's arena path
-    combine = OpVariant("expert_combine", ExpertCombineParams(3072, 7168, 896, 1, 16))
-    k3_down = OpVariant("gemv", GemvParams(33792, 7168, 1, residuals=1))
-    assert gemv_tuning(k3_down.params, KernelConfig(), x_staging_limit([combine, k3_down])).x_smem  # 66 KB < 99 KB
+    combine = OpVariant("expert_combine", ExpertCombineParams(3072, 7168, 896, 1, 16))  # K3: 8 warps' inputs, 51 KB
+    k3_down = OpVariant("gemv", GemvParams(33792, 7168, 1, residuals=1))  # 66 KB of x
+    assert not gemv_tuning(k3_down.params, KernelConfig(), x_staging_limit([combine, mla, k3_down])).x_smem
+    wide_mla = OpVariant("mla_decode", MlaDecodeParams(32, 512, 64, 8192, 1, 64, 128, 0.1, group_heads=32))  # 74 KB
+    assert gemv_tuning(k3_down.params, KernelConfig(), x_staging_limit([wide_mla, k3_down])).x_smem
 
 
 def layout_total(ring, slots: int) -> int:
