@@ -65,9 +65,6 @@ class KernelConfig:
     # 16-byte vectors per lane per loop trip of the dot loops (0: the default, 1: the rows of a fill give the loads
     # their parallelism, and a task's code must stay small: a cold variant's instructions come from L2 or HBM)
     gemv_unroll: int = 0
-    # 1: ring fills carry the L2 evict-first policy (a step reads each weight byte once; what should stay in
-    # L2 is the activations, the cache and state rows and the kernel's own code). BENCHMARKS.md 2026-12-01, night.
-    l2_evict_first: int = 1
 
     @property
     def warps(self) -> int:
@@ -78,7 +75,7 @@ class KernelConfig:
         return self.threads + PRODUCER_THREADS
 
 
-KERNEL_TUNING = ("slot_bytes", "ring_bytes", "records", "gemv_unroll", "l2_evict_first")  # `k3mk compile --kernel-option` knobs
+KERNEL_TUNING = ("slot_bytes", "ring_bytes", "records", "gemv_unroll")  # `k3mk compile --kernel-option` knobs
 
 
 @dataclass(frozen=True)
