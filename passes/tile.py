@@ -12,7 +12,7 @@ Guarantees to plan_memory and build_events:
   row) and `flops` feed the scheduler's cost model.
 Every op kind in `ir.ops.OPS` has a rule in `RULES`; a kind without one is an error naming it.
 
-Sizing (prior art 5.4): a GEMV-like node is cut into row tiles that stream 32-256 KB of weights each,
+Sizing (prior art 5.4): a GEMV-like node is cut into row tiles that stream 32 KB - 1 MB of weights each,
 and into enough tiles to give every SM work when the matrix allows (a multiple of the SM count when it
 is large). Rows come in multiples of 8, so a bf16 output tile starts 16-byte aligned. Head-structured
 ops tile by heads (the KDA recurrence also by value rows of a head, whose state rows are independent),
@@ -32,7 +32,10 @@ from k3mk.ir.ops import OPS
 from k3mk.ir.tasks import Box, Operand, Region, Task, TaskGraph
 
 MIN_TILE_BYTES = 32 * 1024  # below this a task's fixed costs (dispatch, event hand-off) dominate
-MAX_TILE_BYTES = 256 * 1024  # above this one SM streams too long while others could help
+# Above this one SM streams too long while others could help. A task costs ~2-3 us beyond its bytes (its wait,
+# prologue, epilogue, release; cold code after another variant): tiles of up to 1 MB instead of 256 KB took the
+# bf16 K3 proxy's step from 13.2 to 11.5 ms (BENCHMARKS.md 2026-12-01, night), its work still spread over every SM.
+MAX_TILE_BYTES = 1024 * 1024
 ROW_GRANULE = 8  # output rows per tile come in multiples of 8: 16-byte aligned bf16 tiles
 COLUMN_GRANULE = 64  # elementwise chunks: whole 128-byte lines of bf16
 ELEMENTWISE_BYTES = 16 * 1024  # output bytes per elementwise / collective task
@@ -56,7 +59,7 @@ def sub(shape: tuple[int, ...], ranges: dict[int, tuple[int, int]]) -> Box:
 
 
 def task_count(total_bytes: int, num_sms: int) -> int:
-    """How many tasks share streaming `total_bytes`: each 32-256 KB, all SMs busy when there is enough."""
+    """How many tasks share streaming `total_bytes`: each 32 KB - 1 MB, all SMs busy when there is enough."""
     if total_bytes < MIN_TILE_BYTES * num_sms:
         return max(1, total_bytes // MIN_TILE_BYTES)
     n = max(num_sms, math.ceil(total_bytes / MAX_TILE_BYTES))

@@ -83,10 +83,11 @@ def test_a_node_without_a_rule_is_an_error_naming_its_kind(monkeypatch):
         tile(graph, target)
 
 
-def test_sizing_streams_32_to_256_kb_per_task_and_fills_the_sms():
+def test_sizing_streams_32_kb_to_1_mb_per_task_and_fills_the_sms():
     assert task_count(10 * 1024, 132) == 1
     assert task_count(64 * 32 * 1024, 132) == 64  # small: one task per 32 KB
-    assert task_count(100 * 2**20, 132) == 528  # large: <= 256 KB each, a multiple of the SMs
+    assert task_count(100 * 2**20, 132) == 132  # large: one task per SM (776 KB each)
+    assert task_count(2**30, 132) == 1056  # larger: <= 1 MB each, a multiple of the SMs
     rows = split(7168, 132, 8)
     assert rows[0] == (0, 56) and rows[-1][1] == 7168 and all(lo % 8 == 0 for lo, _ in rows)
 
@@ -197,7 +198,7 @@ def test_tiles_fill_the_sms_of_a_large_target():
     for t in tg.tasks:
         per_node[t.node] = per_node.get(t.node, 0) + 1
     lm_head = next(n for n in graph.nodes if "lm_head.weight" in n.inputs)
-    assert per_node[lm_head.name] % 4 == 0  # 4096 x 512 fp32 = 8 MB: 32 tiles of 256 KB
+    assert per_node[lm_head.name] % 4 == 0  # 4096 x 512 fp32 = 8 MB: 8 tiles of 1 MB
     kda = next(n for n in graph.nodes if n.op.name == "kda_recurrence")
     assert per_node[kda.name] == 4  # 4 heads, one SM each
     assert tile_pass.MAX_TILE_BYTES >= max(t.weight_bytes for t in tg.tasks if t.node == lm_head.name)
