@@ -41,7 +41,7 @@ from k3mk.ir.task_table import (
 VECTOR_ELEMENTS = 8  # bf16 per 16-byte load
 MAX_BATCH = 16
 X_SMEM_BUDGET = 160 * 1024  # GEMV stages its (normalised) input in shared memory
-X_STAGE_BYTES = 48 * 1024  # ... and an input it could read from the arena up to this (x_staging_limit)
+X_STAGE_BYTES = 64 * 1024  # ... and an input it could read from the arena up to this (x_staging_limit)
 PRODUCER_THREADS = 32  # one producer warp beside the consumers (it also forwards the task records)
 
 
