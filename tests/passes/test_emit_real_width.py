@@ -89,7 +89,7 @@ def test_real_width_table_executes_like_the_interpreter(name):
 @pytest.mark.slow
 def test_full_kimi_linear_48b_kernel_builds(tmp_path):
     """The whole 27-layer kimi-linear-48b-a3b decode step at batch 1 is ONE sm_90a kernel (about 40 s on
-    this 2-core machine uncached: 20 s of passes over ~41.6k tasks, 14 s of cubin compile)."""
+    this 2-core machine uncached: 20 s of passes over ~32.7k tasks, 14 s of cubin compile)."""
     pytest.importorskip("cutlass")
     from k3mk.compiler.pipeline import compile_artifact
 
@@ -97,7 +97,7 @@ def test_full_kimi_linear_48b_kernel_builds(tmp_path):
     out = compile_artifact(load_config("kimi-linear-48b-a3b"), 1, 1, MAX_CONTEXT, "sm_90a", tmp_path / "art")
     m = json.loads((out / "manifest.json").read_text())
     assert (out / m["files"]["cubin"]).read_bytes()[:4] == b"\x7fELF"
-    assert m["max_context"] == MAX_CONTEXT and m["num_tasks"] > 40_000
+    assert m["max_context"] == MAX_CONTEXT and m["num_tasks"] > 30_000
     ops = {v["op"] for v in m["variants"]}
     assert {"router_topk", "mla_decode", "mla_v_up", "kda_recurrence", "expert_gated"} <= ops
     print(f"full kimi-linear-48b-a3b build: {time.perf_counter() - t0:.1f} s, {m['num_tasks']} tasks")

@@ -84,7 +84,7 @@ def test_independent_tiles_are_balanced():
     """128 equal tiles, all ready at once, on 8 SMs: list scheduling gives each SM 16. In general the
     busiest SM carries at most the mean plus one task (Graham's bound for greedy list scheduling of
     independent tasks: the last task placed on the busiest SM started when it was the least loaded)."""
-    tg, target = tasks_of(linears((4096, 4096)), num_sms=8)
+    tg, target = tasks_of(linears((8192, 8192)), num_sms=8)  # 128 MB: 128 tiles of 1 MB
     assert len(tg.tasks) == 128
     check_lists(tg)
     busy = tg.meta["sm_busy_s"]
