@@ -65,6 +65,10 @@ class KernelConfig:
     # 16-byte vectors per lane per loop trip of the dot loops (0: the default, 1: the rows of a fill give the loads
     # their parallelism, and a task's code must stay small: a cold variant's instructions come from L2 or HBM)
     gemv_unroll: int = 0
+    # 32-code groups per loop trip of the MXFP4 experts' MMA loops (0: the default, 8: a group's loads, decode, MMA
+    # and scaling are one dependent chain, and 8 consumer warps leave 2 per scheduler; measured 2026-12-02:
+    # unroll 2 / 4 / 8 gave 2.24 / 2.92 / 3.53 TB/s on the K3-size gated expert GEMV, BENCHMARKS.md)
+    mxfp4_unroll: int = 0
 
     @property
     def warps(self) -> int:
@@ -75,7 +79,7 @@ class KernelConfig:
         return self.threads + PRODUCER_THREADS
 
 
-KERNEL_TUNING = ("slot_bytes", "ring_bytes", "records", "gemv_unroll")  # `k3mk compile --kernel-option` knobs
+KERNEL_TUNING = ("slot_bytes", "ring_bytes", "records", "gemv_unroll", "mxfp4_unroll")  # `k3mk compile --kernel-option` knobs
 
 
 @dataclass(frozen=True)

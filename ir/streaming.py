@@ -7,7 +7,10 @@ kernel and the check cannot disagree.
 A fill is one slot's worth of one task's weights: a row group of `rows` rows x one K chunk, of every
 stream of the op (a gemv's weight, the gated gemv's weight and weight_up, an MXFP4 expert's codes and
 scales). A row group is adjacent rows of a row-major [out, in] matrix (or of one expert's block of it),
-so each stream of a fill is ONE bulk copy of contiguous bytes. A task's fills come in a fixed order:
+so each stream of a fill is ONE bulk copy of contiguous bytes, except an MXFP4 expert's codes: their rows
+are the A rows of the consumer warp's m16n8k16 MMAs (at most MMA_ROWS over all code streams of a fill),
+copied in groups of up to MMA_COPY_ROWS rows placed 64 bytes apart in the banks (`Stream.mma_rows`). A
+task's fills come in a fixed order:
 
   gemv            for g in groups: for c in chunks
   expert_gated    for b in batch: for g in groups: for c in chunks                 (expert ids[b, slot])
@@ -20,9 +23,10 @@ producer that waits only for an event complete before its task's consumers may s
 router: every event the task waits on comes after it), is why the ring cannot deadlock (check_ring
 executes it; the argument is in TaskTable.check_deadlock_free).
 
-Bit-exactness: a lane of the consumer warp sums the elements it would sum in a loop over the whole
+Bit-exactness: a lane of a bf16 consumer warp sums the elements it would sum in a loop over the whole
 row (16-byte vectors lane, lane + 32, ... of the row), in the same order, so a streamed op computes
-what a register-load op computes, bit for bit. Hence chunks are multiples of LANE_ORDER_ELEMENTS.
+what a register-load op computes, bit for bit. Hence chunks are multiples of LANE_ORDER_ELEMENTS. (MXFP4
+rows are never chunked: a fill holds whole rows, and the MMAs sum a row's 32-code groups in order.)
 """
 
 from __future__ import annotations
@@ -36,6 +40,13 @@ VECTOR_BYTES = 16  # every copy is a multiple of 16 bytes from a 16-byte aligned
 LANE_ORDER_ELEMENTS = 32 * 8  # bf16: 32 lanes x one 16-byte vector: a lane's stride along a row
 MXFP4_LANE_ORDER_ELEMENTS = 32 * 32  # MXFP4: 32 lanes x one 32-code group
 ACCUMULATOR_BUDGET = 16  # fp32 accumulators per lane (rows x batch x gated streams) a fill may need
+# MXFP4 expert fills: the code rows of all streams are A rows 0..7 of the consumer's m16n8k16 MMAs (rows 8..15
+# stay zero: a second set would double each lane's decoding for rows a fill of K3's widths cannot fill)
+MMA_ROWS = 8
+# ... copied MMA_COPY_ROWS rows per bulk copy: the rows of one copy share banks (K3's rows are multiples of
+# 128 bytes), so a consumer's word loads conflict 4-way; one copy per row (no conflict, 10 copies per fill
+# instead of 4) kept the producer busy and was 1.8% slower on the K3 proxy (BENCHMARKS.md, 2026-12-02)
+MMA_COPY_ROWS = 4
 STREAMING_OPS = ("gemv", "expert_gated", "expert_combine")
 # Ops whose producer waits before issuing, on the task's weight wait only (the experts' rows are known
 # once the router has written the ids: passes/build_events.py "weight waits"); every other op's producer
@@ -59,6 +70,8 @@ class Stream:
     num: int
     den: int
     window: bool = False
+    # MXFP4 codes: rows that are MMA A rows, copied MMA_COPY_ROWS at a time (FillPlan.row_offset)
+    mma_rows: bool = False
 
     def bytes(self, elements: int) -> int:
         return elements * self.num // self.den
@@ -81,8 +94,28 @@ class FillPlan:
     def chunk_elements(self, c: int) -> int:
         return min(self.chunk, self.in_features - c * self.chunk)
 
+    @property
+    def copy_rows(self) -> int:
+        """Rows per bulk copy of an mma_rows stream."""
+        return min(self.rows, MMA_COPY_ROWS)
+
+    def copy_groups(self) -> int:
+        return -(-self.rows // self.copy_rows)
+
+    def group_pitch(self, st: Stream) -> int:
+        """Slot bytes from one copy of an mma_rows stream to the next: its rows, padded to 64 mod 128 bytes so
+        that consecutive copies (of one stream or the next) fall 16 banks apart."""
+        n = self.copy_rows * st.bytes(self.chunk)
+        return n + (64 - n) % 128
+
+    def row_offset(self, st: Stream, r: int) -> int:
+        """Byte offset of row r of mma_rows stream `st` within the stream (the templates render this formula)."""
+        return (r // self.copy_rows) * self.group_pitch(st) + (r % self.copy_rows) * st.bytes(self.chunk)
+
     def stream_bytes(self, st: Stream) -> int:
         """Slot bytes of stream `st`: its row group, or for a window stream the largest window."""
+        if st.mma_rows:
+            return self.copy_groups() * self.group_pitch(st)
         need = self.rows * st.bytes(self.chunk)
         return -(-need // VECTOR_BYTES) * VECTOR_BYTES + VECTOR_BYTES if st.window else need
 
@@ -121,8 +154,10 @@ def _bf16(operand: str) -> Stream:
     return Stream(operand, 2, 1)
 
 
-def _mxfp4(codes: str, scales: str, in_features: int) -> tuple[Stream, Stream]:
-    return Stream(codes, 1, 2), Stream(scales, 1, 32, window=(in_features // 32) % VECTOR_BYTES != 0)
+def _mxfp4(codes: tuple[str, ...], scales: tuple[str, ...], in_features: int) -> tuple[Stream, ...]:
+    """The code streams first (their rows are the MMA's A rows, one pitch apart across streams), then the scales."""
+    window = (in_features // 32) % VECTOR_BYTES != 0
+    return tuple(Stream(c, 1, 2, mma_rows=True) for c in codes) + tuple(Stream(sc, 1, 32, window=window) for sc in scales)
 
 
 def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | None:
@@ -139,7 +174,7 @@ def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | 
     else:
         gated = op == "expert_gated"
         if params.weight_format == "mxfp4":
-            streams = _mxfp4("weight", "scale", k) + (_mxfp4("weight_up", "scale_up", k) if gated else ())
+            streams = _mxfp4(("weight", "weight_up"), ("scale", "scale_up"), k) if gated else _mxfp4(("weight",), ("scale",), k)
             lane_order = MXFP4_LANE_ORDER_ELEMENTS
         else:
             streams = (_bf16("weight"), _bf16("weight_up")) if gated else (_bf16("weight"),)
@@ -151,16 +186,18 @@ def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | 
     if windows and (params.out_features * windows[0].bytes(k)) % VECTOR_BYTES:
         raise StreamingError(f"{op}: an expert's MXFP4 scales ({params.out_features} rows x {windows[0].bytes(k)} B) are not a "
                              f"multiple of {VECTOR_BYTES} bytes, which the ring's bulk copies need")  # fmt: skip
-    max_rows = max(1, ACCUMULATOR_BUDGET // accumulators_per_row)
-    window_slack = 2 * VECTOR_BYTES * len(windows)  # a window stream's alignment and rounding
-    if row_bytes + window_slack <= slot_bytes:
-        rows, chunk, chunks = min(max_rows, (slot_bytes - window_slack) // row_bytes), k, 1
+    code_streams = sum(st.mma_rows for st in streams)
+    max_rows = MMA_ROWS // code_streams if code_streams else max(1, ACCUMULATOR_BUDGET // accumulators_per_row)
+    # a window stream's alignment and rounding; the padding of an mma_rows stream's copies (at most 127 B each)
+    slack = 2 * VECTOR_BYTES * len(windows) + (128 * (MMA_ROWS // MMA_COPY_ROWS) if code_streams else 0)
+    if row_bytes + slack <= slot_bytes:
+        rows, chunk, chunks = min(max_rows, (slot_bytes - slack) // row_bytes), k, 1
     elif windows:
         raise StreamingError(f"{op}: an MXFP4 row of {k} elements ({row_bytes} B with its scales) does not fit a {slot_bytes}-byte slot")
     else:
         # one row per fill, cut into the fewest equal chunks (multiples of the lane order) a slot holds
         per_element = row_bytes / k
-        fit = int(slot_bytes // per_element) // lane_order * lane_order
+        fit = int((slot_bytes - slack) // per_element) // lane_order * lane_order
         if fit < lane_order:
             raise StreamingError(f"{op}: a {slot_bytes}-byte slot holds no chunk of {lane_order} elements of its {len(streams)} stream(s)")
         chunks = -(-k // fit)

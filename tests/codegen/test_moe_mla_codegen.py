@@ -136,8 +136,8 @@ def test_mla_decode_path_compiles(cache):
 
 
 def test_mxfp4_bit_trick_matches_dequant():
-    """The templates' decode (mxfp4_dot.py.j2), emulated on the bits, equals semantics.dequant_mxfp4 (low
-    nibble = even index; the group scale is applied after) for every (code j, code j+4) pair."""
+    """The templates' decode (mxfp4_dot.py.j2 `pair`), emulated on the bits, equals semantics.dequant_mxfp4
+    (low nibble = even index; the group scale is applied after) for every (code j, code j+4) pair."""
     import torch
 
     from k3mk.ir import semantics
@@ -160,3 +160,45 @@ def test_mxfp4_bit_trick_matches_dequant():
         got[:, j] = (f32((pair << 16) & 0xFFFFFFFF) * 2.0**126).float()
         got[:, j + 4] = (f32(pair & 0xFFFF0000) * 2.0**126).float()
     assert torch.equal(got, expect)
+
+
+def test_mxfp4_mma_fragments_give_the_group_dot():
+    """mxfp4_dot.py.j2's ONE m16n8k16 MMA per 32-code group, emulated with the PTX fragment layouts (A row-major:
+    lane 4g + t holds a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..]; B: b0 =
+    B[2t..2t+1][g], b1 = B[2t+8..][g]; C: c0 = C[g][2t], c3 = C[g+8][2t+1]): each lane's pairs of its word of
+    row g and the x words staged for its column (x_words) give d0 + d3 of lane 4g = row g's dot of the group
+    with x (float64: exact), on random codes and activations; a wrong pairing of codes and x is caught."""
+    import torch
+
+    from k3mk.ir import semantics
+
+    gen = torch.Generator().manual_seed(5)
+    packed = torch.randint(0, 256, (8, 16), generator=gen, dtype=torch.uint8)  # 8 rows x one 32-code group
+    x = torch.randn(32, generator=gen, dtype=torch.float64).to(torch.bfloat16).double()
+    ref = semantics.dequant_mxfp4(packed, torch.full((8, 1), 127, dtype=torch.uint8), torch.float32).double() @ x
+    codes = semantics.dequant_mxfp4(packed, torch.full((8, 1), 127, dtype=torch.uint8), torch.float32).double()
+
+    def pair(row: int, t: int, j: int) -> tuple[float, float]:  # (code 8t + j, code 8t + j + 4): lane 4g + t's word t
+        return codes[row, 8 * t + j].item(), codes[row, 8 * t + j + 4].item()
+
+    def x_words(t: int) -> list[tuple[float, float]]:  # (x0, x4), (x1, x5), (x2, x6), (x3, x7) of vector t
+        v = x[8 * t : 8 * t + 8].tolist()
+        return [(v[0], v[4]), (v[1], v[5]), (v[2], v[6]), (v[3], v[7])]
+
+    def emulate(a_pairs, xcol) -> torch.Tensor:
+        A, B = torch.zeros(16, 16, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64)
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            a0, a1, a2, a3 = a_pairs(g, t)
+            A[g, 2 * t : 2 * t + 2], A[g + 8, 2 * t : 2 * t + 2] = torch.tensor(a0), torch.tensor(a1)
+            A[g, 2 * t + 8 : 2 * t + 10], A[g + 8, 2 * t + 8 : 2 * t + 10] = torch.tensor(a2), torch.tensor(a3)
+            words = x_words(t)[2 * (g % 2) : 2 * (g % 2) + 2] if xcol else x_words(t)[:2]
+            B[2 * t : 2 * t + 2, g], B[2 * t + 8 : 2 * t + 10, g] = torch.tensor(words[0]), torch.tensor(words[1])
+        C = A @ B
+        return torch.stack([C[g, 0] + C[g + 8, 1] for g in range(8)])  # lane 4g's c0 + c3
+
+    kernel = lambda g, t: (pair(g, t, 0), pair(g, t, 2), pair(g, t, 1), pair(g, t, 3))  # noqa: E731 (read_only_args order)
+    assert torch.equal(emulate(kernel, True), ref)
+    assert not torch.allclose(emulate(kernel, False), ref)  # every column column 0's x: row g + 8 meets the wrong codes
+    swapped = lambda g, t: (pair(g, t, 0), pair(g, t, 1), pair(g, t, 2), pair(g, t, 3))  # noqa: E731
+    assert not torch.allclose(emulate(swapped, True), ref)

@@ -4,6 +4,9 @@ map, the refusals, and the whole variant set compiled for sm_90a with the instru
 
 from __future__ import annotations
 
+import collections
+import re
+
 import sys
 from pathlib import Path
 
@@ -11,7 +14,7 @@ import pytest
 
 from k3mk.codegen.emit import emit_source
 from k3mk.codegen.ops import MIN_RING_SLOTS, OP_SMEM_LIMIT, CodegenError, KernelConfig, ring_layout
-from k3mk.ir.streaming import LANE_ORDER_ELEMENTS, MXFP4_LANE_ORDER_ELEMENTS, VECTOR_BYTES, StreamingError, fill_plan
+from k3mk.ir.streaming import LANE_ORDER_ELEMENTS, MMA_COPY_ROWS, MMA_ROWS, MXFP4_LANE_ORDER_ELEMENTS, VECTOR_BYTES, StreamingError, fill_plan
 from k3mk.ir.task_table import ExpertCombineParams, ExpertGatedParams, GemvParams, MlaDecodeParams, NopParams, OpVariant
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
@@ -117,11 +120,38 @@ def test_mxfp4_scale_windows():
     """k3-tiny's experts have 8-byte scale rows: a fill copies the 16-byte window around them; K3's 112-byte
     rows are whole vectors and copy as they are."""
     tiny = fill_plan("expert_gated", ExpertGatedParams(256, 256, 16, 1, 4, "mxfp4", "situ"))
-    assert [st.window for st in tiny.streams] == [False, True, False, True]
-    assert tiny.stream_bytes(tiny.streams[1]) == -(-tiny.rows * 8 // 16) * 16 + 16
+    assert [st.operand for st in tiny.streams] == ["weight", "weight_up", "scale", "scale_up"]
+    assert [st.window for st in tiny.streams] == [False, False, True, True]
+    assert tiny.stream_bytes(tiny.streams[2]) == -(-tiny.rows * 8 // 16) * 16 + 16
     k3 = fill_plan("expert_gated", ExpertGatedParams(3584, 3072, 896, 1, 16, "mxfp4", "situ"))
     assert not any(st.window for st in k3.streams)
     assert k3.fill_bytes(4, 0) == 4 * 2 * (1792 + 112)
+
+
+@pytest.mark.parametrize("op, params, rows, copies", [
+    ("expert_gated", ExpertGatedParams(3584, 3072, 896, 1, 16, "mxfp4", "situ"), 4, 1),  # K3: 2 x 4 rows of 1792 B
+    ("expert_combine", ExpertCombineParams(3072, 3584, 896, 1, 16, "mxfp4"), 8, 2),  # K3 w2: 8 rows of 1536 B
+    ("expert_gated", ExpertGatedParams(544, 208, 9, 1, 4, "mxfp4", "situ"), 4, 1),  # 272-byte rows
+    ("expert_combine", ExpertCombineParams(256, 256, 16, 4, 4, "mxfp4"), 8, 2),
+])  # fmt: skip
+def test_mxfp4_code_rows_are_the_mma_rows(op, params, rows, copies):
+    """An MXFP4 fill's code rows (gate then up) are A rows 0..7 of the consumer warp's MMAs, copied
+    MMA_COPY_ROWS rows at a time; the copies sit 64 bytes apart mod 128, so the 32 lanes' word loads of any
+    group (lane 4g + t: word t of row g's group) touch every bank at most MMA_COPY_ROWS times (K3: 4-way), not 8."""
+    plan = fill_plan(op, params, 16 * 1024)
+    codes = [st for st in plan.streams if st.mma_rows]
+    assert plan.rows == rows and plan.rows * len(codes) <= MMA_ROWS and plan.copy_groups() == copies
+    offsets = [plan.stream_offset(s) + plan.row_offset(st, r) for s, st in enumerate(codes) for r in range(plan.rows)]
+    assert all(o % 16 == 0 for o in offsets) and len(set(offsets)) == len(offsets)
+    row_bytes = codes[0].bytes(plan.chunk)
+    assert sorted(offsets)[-1] + row_bytes <= plan.stream_offset(len(codes))  # the rows do not overlap the scales
+    for group in range(params.in_features // 32):
+        hits = collections.Counter(((offsets[m] + group * 16 + 4 * t) // 4) % 32 for m in range(len(offsets)) for t in range(4))
+        assert max(hits.values()) <= MMA_COPY_ROWS
+    for s, st in enumerate(codes):  # a copy's rows are adjacent in the slot, as in global memory
+        for r in range(1, plan.rows):
+            if r % plan.copy_rows:
+                assert plan.row_offset(st, r) - plan.row_offset(st, r - 1) == row_bytes
 
 
 @pytest.mark.parametrize("op, params, message", [
@@ -200,3 +230,23 @@ def test_streaming_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
         assert needle in ptx, needle
     # one fence.acq_rel.gpu per CTA exit, none per task: the release add orders the body's stores
     assert ptx.count("fence.acq_rel.gpu") == 1
+
+
+@pytest.mark.parametrize("op, params", [
+    ("expert_gated", ExpertGatedParams(3584, 3072, 64, 1, 16, "mxfp4", "situ")),
+    ("expert_combine", ExpertCombineParams(3072, 3584, 64, 1, 16, "mxfp4")),
+    ("expert_gated", ExpertGatedParams(256, 256, 16, 4, 4, "mxfp4", "situ")),  # scale windows
+])  # fmt: skip
+def test_mxfp4_producer_copies_land_where_the_consumer_reads(op, params):
+    """The rendered producer's bulk copies of an MXFP4 fill go to the slot offsets of the plan (each code stream's
+    copies at stream_offset + j * group_pitch, every scale stream at its stream_offset), and the consumer's row
+    addresses use the same pitch: a copy landing on another stream's bytes cannot pass unnoticed here."""
+    plan = fill_plan(op, params, 16 * 1024)
+    source = emit_source([OpVariant(op, params)])
+    produce = source[source.index("_produce("):source.index("_run(")]
+    landed = {int(m) for m in re.findall(r"ring_copy\(smem, fill, (\d+)", produce)}  # the combine renders one fill per round
+    want = {plan.stream_offset(s) + j * plan.group_pitch(st) for s, st in enumerate(plan.streams) if st.mma_rows
+            for j in range(plan.copy_groups())} | {plan.stream_offset(s) for s, st in enumerate(plan.streams) if not st.mma_rows}  # fmt: skip
+    assert landed == want and len(want) == plan.copy_groups() * sum(st.mma_rows for st in plan.streams) + sum(not st.mma_rows for st in plan.streams)
+    run = source[source.index("_run("):]
+    assert f"* {plan.group_pitch(plan.streams[0])}" in run and f"% {plan.copy_rows}) * {plan.streams[0].bytes(plan.chunk)}" in run
