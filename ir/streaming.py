@@ -38,7 +38,7 @@ from typing import Any
 SLOT_BYTES = 16 * 1024  # default slot size (codegen/ops.py KernelConfig.slot_bytes)
 VECTOR_BYTES = 16  # every copy is a multiple of 16 bytes from a 16-byte aligned address
 LANE_ORDER_ELEMENTS = 32 * 8  # bf16: 32 lanes x one 16-byte vector: a lane's stride along a row
-MXFP4_LANE_ORDER_ELEMENTS = 32 * 32  # MXFP4: 32 lanes x one 32-code group
+MXFP4_LANE_ORDER_ELEMENTS = 32 * 32  # MXFP4 chunks (a row longer than a slot): whole 32-code groups, 32 of them
 ACCUMULATOR_BUDGET = 16  # fp32 accumulators per lane (rows x batch x gated streams) a fill may need
 # MXFP4 expert fills: the code rows of all streams are A rows 0..7 of the consumer's m16n8k16 MMAs (rows 8..15
 # stay zero: a second set would double each lane's decoding for rows a fill of K3's widths cannot fill)
