@@ -66,8 +66,8 @@ class KernelConfig:
     # their parallelism, and a task's code must stay small: a cold variant's instructions come from L2 or HBM)
     gemv_unroll: int = 0
     # 32-code groups per loop trip of the MXFP4 experts' MMA loops (0: the default, 8: a group's loads, decode, MMA
-    # and scaling are one dependent chain, and 8 consumer warps leave 2 per scheduler; measured 2026-12-02:
-    # unroll 2 / 4 / 8 gave 2.24 / 2.92 / 3.53 TB/s on the K3-size gated expert GEMV, BENCHMARKS.md)
+    # and scaling are one dependent chain, and 8 consumer warps leave 2 per scheduler; measured 2026-12-02 on the
+    # K3-size gated expert GEMV: unroll 2 / 4 / 8 / 16 gave 1.97 / 2.25 / 2.33 / 2.33 TB/s, BENCHMARKS.md)
     mxfp4_unroll: int = 0
 
     @property

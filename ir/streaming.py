@@ -25,8 +25,9 @@ executes it; the argument is in TaskTable.check_deadlock_free).
 
 Bit-exactness: a lane of a bf16 consumer warp sums the elements it would sum in a loop over the whole
 row (16-byte vectors lane, lane + 32, ... of the row), in the same order, so a streamed op computes
-what a register-load op computes, bit for bit. Hence chunks are multiples of LANE_ORDER_ELEMENTS. (MXFP4
-rows are never chunked: a fill holds whole rows, and the MMAs sum a row's 32-code groups in order.)
+what a register-load op computes, bit for bit. Hence chunks are multiples of LANE_ORDER_ELEMENTS. (An
+MXFP4 row too long for a slot is cut into chunks of whole 32-code groups, MXFP4_CHUNK_ELEMENTS; the MMAs sum
+a row's groups in order, chunk after chunk: tensor-core sums, not the FMA loop's order.)
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ from typing import Any
 SLOT_BYTES = 16 * 1024  # default slot size (codegen/ops.py KernelConfig.slot_bytes)
 VECTOR_BYTES = 16  # every copy is a multiple of 16 bytes from a 16-byte aligned address
 LANE_ORDER_ELEMENTS = 32 * 8  # bf16: 32 lanes x one 16-byte vector: a lane's stride along a row
-MXFP4_LANE_ORDER_ELEMENTS = 32 * 32  # MXFP4 chunks (a row longer than a slot): whole 32-code groups, 32 of them
+MXFP4_CHUNK_ELEMENTS = 32 * 32  # MXFP4 chunks (a row longer than a slot): whole 32-code groups, 32 of them
 ACCUMULATOR_BUDGET = 16  # fp32 accumulators per lane (rows x batch x gated streams) a fill may need
-# MXFP4 expert fills: the code rows of all streams are A rows 0..7 of the consumer's m16n8k16 MMAs (rows 8..15
-# stay zero: a second set would double each lane's decoding for rows a fill of K3's widths cannot fill)
+# MXFP4 expert fills: the code rows of all streams are A rows 0..7 of the consumer's m16n8k16 MMAs (A rows 8..15
+# hold the same rows' other code pairs, codegen/templates/mxfp4_dot.py.j2)
 MMA_ROWS = 8
 # ... copied MMA_COPY_ROWS rows per bulk copy: the rows of one copy share banks (K3's rows are multiples of
 # 128 bytes), so a consumer's word loads conflict 4-way; one copy per row (no conflict, 10 copies per fill
@@ -175,7 +176,7 @@ def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | 
         gated = op == "expert_gated"
         if params.weight_format == "mxfp4":
             streams = _mxfp4(("weight", "weight_up"), ("scale", "scale_up"), k) if gated else _mxfp4(("weight",), ("scale",), k)
-            lane_order = MXFP4_LANE_ORDER_ELEMENTS
+            lane_order = MXFP4_CHUNK_ELEMENTS
         else:
             streams = (_bf16("weight"), _bf16("weight_up")) if gated else (_bf16("weight"),)
             lane_order = LANE_ORDER_ELEMENTS

@@ -14,7 +14,7 @@ import pytest
 
 from k3mk.codegen.emit import emit_source
 from k3mk.codegen.ops import MIN_RING_SLOTS, OP_SMEM_LIMIT, CodegenError, KernelConfig, ring_layout
-from k3mk.ir.streaming import LANE_ORDER_ELEMENTS, MMA_COPY_ROWS, MMA_ROWS, MXFP4_LANE_ORDER_ELEMENTS, VECTOR_BYTES, StreamingError, fill_plan
+from k3mk.ir.streaming import LANE_ORDER_ELEMENTS, MMA_COPY_ROWS, MMA_ROWS, MXFP4_CHUNK_ELEMENTS, VECTOR_BYTES, StreamingError, fill_plan
 from k3mk.ir.task_table import ExpertCombineParams, ExpertGatedParams, GemvParams, MlaDecodeParams, NopParams, OpVariant
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
@@ -84,7 +84,7 @@ def test_fill_plans_fit_their_slot_and_keep_each_lanes_summation_order(slot_byte
                 assert all(st.bytes(plan.chunk_elements(c)) % VECTOR_BYTES == 0 for c in range(plan.chunks))
         if getattr(v.params, "weight_format", "bfloat16") == "mxfp4":
             # the MMA consumer sums a row's 32-code groups in order, one chunk after another: chunks of whole groups
-            assert plan.chunks == 1 or plan.chunk % MXFP4_LANE_ORDER_ELEMENTS == 0
+            assert plan.chunks == 1 or plan.chunk % MXFP4_CHUNK_ELEMENTS == 0
             continue
         # the bit-exactness argument: every lane sums the same elements in the same order as a whole-row loop
         assert lane_vectors_by_chunks(plan, 8) == lane_vectors_whole_row(k, 8), (v, plan)
