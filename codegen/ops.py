@@ -65,9 +65,9 @@ class KernelConfig:
     # 16-byte vectors per lane per loop trip of the dot loops (0: the default, 1: the rows of a fill give the loads
     # their parallelism, and a task's code must stay small: a cold variant's instructions come from L2 or HBM)
     gemv_unroll: int = 0
-    # 32-code groups per loop trip of the MXFP4 experts' MMA loops (0: the default, 8: a group's loads, decode, MMA
-    # and scaling are one dependent chain, and 8 consumer warps leave 2 per scheduler; measured 2026-12-02 on the
-    # K3-size gated expert GEMV: unroll 2 / 4 / 8 / 16 gave 1.97 / 2.25 / 2.33 / 2.33 TB/s, BENCHMARKS.md)
+    # 128-code spans per loop trip of the MXFP4 experts' MMA loops (0: the default, 2: a span is 4 MMAs, and the loop
+    # is latency bound with 8 consumer warps, 2 per scheduler; measured 2026-12-02 on the K3-size gated expert GEMV:
+    # 1 / 2 / 4 spans gave 2.34 / 2.55 / 2.54 TB/s, BENCHMARKS.md)
     mxfp4_unroll: int = 0
 
     @property

@@ -8,7 +8,7 @@ the same offsets from the params with the same formulas (keep the two in step).
 from __future__ import annotations
 
 from k3mk.codegen.ops import VECTOR_ELEMENTS, X_SMEM_BUDGET, CodegenError, OpCodegen, _check_batch, _require
-from k3mk.ir.streaming import ACCUMULATOR_BUDGET
+from k3mk.ir.streaming import ACCUMULATOR_BUDGET, mxfp4_padded
 from k3mk.ir.task_table import (
     ExpertCombineParams,
     ExpertGatedParams,
@@ -80,8 +80,13 @@ def _check_expert_gated(p: ExpertGatedParams) -> None:
     _require(_expert_gated_smem(p) <= X_SMEM_BUDGET, f"expert_gated input batch*in*2 = {_expert_gated_smem(p)} B > {X_SMEM_BUDGET} B")
 
 
+def _staged_features(fmt: str, in_features: int) -> int:
+    """Elements of an expert input staged in smem: MXFP4 pads them to whole MMA spans."""
+    return mxfp4_padded(in_features) if fmt == "mxfp4" else in_features
+
+
 def _expert_gated_smem(p: ExpertGatedParams) -> int:
-    return p.batch * p.in_features * 2
+    return p.batch * _staged_features(p.weight_format, p.in_features) * 2
 
 
 def _check_expert_combine(p: ExpertCombineParams) -> None:
@@ -98,7 +103,7 @@ def _expert_combine_smem(p: ExpertCombineParams) -> int:
     # each warp's slot input (one slot per warp and round, not all top_k: the op smem is every op's), then
     # bf16(dot) per slot of one batch of row groups (at most max(BATCH_ROWS, a group's rows <=
     # ACCUMULATOR_BUDGET)) in fp32
-    return THREADS // 32 * p.in_features * 2 + p.top_k * max(COMBINE_BATCH_ROWS, ACCUMULATOR_BUDGET) * 4
+    return THREADS // 32 * _staged_features(p.weight_format, p.in_features) * 2 + p.top_k * max(COMBINE_BATCH_ROWS, ACCUMULATOR_BUDGET) * 4
 
 
 # ---- MLA ------------------------------------------------------------------------------------

@@ -26,8 +26,8 @@ executes it; the argument is in TaskTable.check_deadlock_free).
 Bit-exactness: a lane of a bf16 consumer warp sums the elements it would sum in a loop over the whole
 row (16-byte vectors lane, lane + 32, ... of the row), in the same order, so a streamed op computes
 what a register-load op computes, bit for bit. Hence chunks are multiples of LANE_ORDER_ELEMENTS. (An
-MXFP4 row too long for a slot is cut into chunks of whole 32-code groups, MXFP4_CHUNK_ELEMENTS; the MMAs sum
-a row's groups in order, chunk after chunk: tensor-core sums, not the FMA loop's order.)
+MXFP4 row too long for a slot is cut into chunks of whole 128-code spans, MXFP4_CHUNK_ELEMENTS; the MMAs sum
+a row's spans in order, chunk after chunk: tensor-core sums, not the FMA loop's order.)
 """
 
 from __future__ import annotations
@@ -39,15 +39,21 @@ from typing import Any
 SLOT_BYTES = 16 * 1024  # default slot size (codegen/ops.py KernelConfig.slot_bytes)
 VECTOR_BYTES = 16  # every copy is a multiple of 16 bytes from a 16-byte aligned address
 LANE_ORDER_ELEMENTS = 32 * 8  # bf16: 32 lanes x one 16-byte vector: a lane's stride along a row
-MXFP4_CHUNK_ELEMENTS = 32 * 32  # MXFP4 chunks (a row longer than a slot): whole 32-code groups, 32 of them
+MXFP4_CHUNK_ELEMENTS = 32 * 32  # MXFP4 chunks (a row longer than a slot): 32 whole 32-code groups (8 spans)
 ACCUMULATOR_BUDGET = 16  # fp32 accumulators per lane (rows x batch x gated streams) a fill may need
 # MXFP4 expert fills: the code rows of all streams are A rows 0..7 of the consumer's m16n8k16 MMAs (A rows 8..15
-# hold the same rows' other code pairs, codegen/templates/mxfp4_dot.py.j2)
+# hold the same rows' other code pairs, codegen/templates/mxfp4_dot.py.j2), MMA row g reading code row mma_code_row
 MMA_ROWS = 8
-# ... copied MMA_COPY_ROWS rows per bulk copy: the rows of one copy share banks (K3's rows are multiples of
-# 128 bytes), so a consumer's word loads conflict 4-way; one copy per row (no conflict, 10 copies per fill
-# instead of 4) kept the producer busy and was 1.8% slower on the K3 proxy (BENCHMARKS.md, 2026-12-02)
+# ... copied MMA_COPY_ROWS rows per bulk copy, the copies 64 bytes apart mod 128 (FillPlan.group_pitch). A lane's
+# 16-byte loads go 8 lanes (MMA rows 2q, 2q + 1) per shared-memory wavefront: mma_code_row puts those two rows
+# in different copies (gate and up, or rows q and 4 + q), 64 bytes apart in the banks, so the loads are
+# conflict-free. One copy per row (10 copies per fill instead of 4) kept the producer busy and was 1.8% slower
+# on the K3 proxy (BENCHMARKS.md, 2026-12-02).
 MMA_COPY_ROWS = 4
+# codes of a row per MMA span: each of 4 lanes loads one 32-code group (16 bytes) and the span's 4 MMAs take a
+# word of each (mxfp4_dot.py.j2); the staged x is padded to whole spans (zeros past in_features)
+MXFP4_SPAN = 4 * 32
+assert MXFP4_CHUNK_ELEMENTS % MXFP4_SPAN == 0  # a chunk is whole spans (the templates index spans across chunks)
 STREAMING_OPS = ("gemv", "expert_gated", "expert_combine")
 # Ops whose producer waits before issuing, on the task's weight wait only (the experts' rows are known
 # once the router has written the ids: passes/build_events.py "weight waits"); every other op's producer
@@ -57,6 +63,20 @@ PRODUCER_WAITS = frozenset({"expert_gated", "expert_combine"})
 
 class StreamingError(ValueError):
     """An op shape the ring cannot stream (a fill that does not fit a slot, a misaligned copy)."""
+
+
+def mma_code_row(code_streams: int, copy_rows: int, g: int) -> tuple[int, int]:
+    """(code stream, row of the fill) that MMA row g (lane // 4) of an MXFP4 consumer warp reads: with gate and up
+    streams, gate row g // 2 (even g) or up row g // 2 (odd g); with one stream, row g // 2 (even g) or copy_rows
+    + g // 2 (odd g: the next copy). A row past the fill's rows re-reads its last row (not stored)."""
+    if code_streams == 2:
+        return g % 2, g // 2
+    return 0, (g % 2) * copy_rows + g // 2
+
+
+def mxfp4_padded(in_features: int) -> int:
+    """Elements of a staged MXFP4 expert input: in_features rounded up to whole spans (MXFP4_SPAN)."""
+    return -(-in_features // MXFP4_SPAN) * MXFP4_SPAN
 
 
 @dataclass(frozen=True)

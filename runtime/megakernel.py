@@ -58,6 +58,16 @@ def load_artifact(artifact_dir: str | Path) -> tuple[Manifest, LoadedTable]:
     return manifest, table
 
 
+def _check_mxfp4_scales(name: str, scales: torch.Tensor) -> None:
+    """Refuse an MXFP4 scale tensor with a byte the kernel's decode cannot apply (abi.MXFP4_MAX_SCALE)."""
+    top = int(scales.max())
+    if top > abi.MXFP4_MAX_SCALE:
+        count = int((scales > abi.MXFP4_MAX_SCALE).sum())
+        raise ValueError(f"weight {name!r}: MXFP4 scale byte {top} (2^{top - 127}; {count} byte(s) above the limit) > "
+                         f"{abi.MXFP4_MAX_SCALE} (2^{abi.MXFP4_MAX_SCALE - 127}), the largest scale the kernel's MXFP4 decode "
+                         "applies (one bf16 multiply per group)")
+
+
 class Megakernel:
     def __init__(self, artifact_dir: str | Path, device: int | torch.device | None = None, poison_arena: bool = True):
         self.manifest, self.table = load_artifact(artifact_dir)
@@ -109,8 +119,9 @@ class Megakernel:
 
     # ---- binding ---------------------------------------------------------------------------
     def bind_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Bind weights by name (checked: dtype, shape, device, contiguous, 16-byte aligned). The
-        tensors are referenced, not copied: keep them alive and unchanged in place."""
+        """Bind weights by name (checked: dtype, shape, device, contiguous, 16-byte aligned; MXFP4 scale
+        bytes at most abi.MXFP4_MAX_SCALE). The tensors are referenced, not copied: keep them alive and
+        unchanged in place."""
         index = {name: i for i, (name, _, _) in enumerate(self.weight_specs)}
         unknown = set(weights) - set(index)
         if unknown:
@@ -122,6 +133,8 @@ class Megakernel:
                 raise ValueError(f"weight {name!r}: expected {dtype}{list(shape)}, got {tensor.dtype}{list(tensor.shape)}")
             if tensor.device != self.device or not tensor.is_contiguous() or tensor.data_ptr() % 16:
                 raise ValueError(f"weight {name!r} must be contiguous, 16-byte aligned, on {self.device}")
+            if name.endswith(abi.MXFP4_SCALE_SUFFIX) and tensor.numel():
+                _check_mxfp4_scales(name, tensor)
             pointers[index[name]] = tensor.data_ptr()
             self._weights[name] = tensor
         self.weight_table.copy_(pointers)

@@ -175,6 +175,20 @@ class Timeline:
                 out.append(Handoff(e, h.index, last[e], t.wait_done - s, s == binding and t.start < s))
         return out
 
+    def critical_path(self) -> list[int]:
+        """The step's critical path, first task first: from the task that signalled last, each task's binding
+        predecessor in turn: the last signaller of its latest waited event when the task started before that
+        signal (it waited for it), else the task before it in its CTA's list."""
+        last = self.last_signallers()
+        before = {b: a for tasks in self.lists().values() for a, b in zip(tasks, tasks[1:])}
+        i, path = max(range(len(self.times)), key=lambda k: self.times[k].signal), []
+        while i is not None:
+            path.append(i)
+            h, t = self.headers[i], self.times[i]
+            signaller = max((last[e] for e in h.waits), key=lambda k: self.times[k].signal, default=None)
+            i = signaller if signaller is not None and t.start < self.times[signaller].signal else before.get(i)
+        return path[::-1]
+
     def violations(self) -> list[str]:
         """What contradicts the execution model: stamps out of order within a task, list order broken (for
         the consumers or the producer), a ring wait longer than the produce interval, or a waiter done
@@ -219,7 +233,8 @@ def timer_step(tl: Timeline) -> int | None:
 def summarize(tl: Timeline, slowest: int = 10) -> dict:
     """Where the step's time goes (module docstring for what each interval holds): the consumers' CTA time
     by interval, the producers' time and ring waits, per op kind (tasks, totals and means, bytes issued and
-    modelled, bytes / body time), and event hand-off latency."""
+    modelled, bytes / body time), the critical path (Timeline.critical_path: per op kind its tasks' bodies and
+    hand-offs, which add up to the path's span), and event hand-off latency."""
     t0, t1 = tl.t0, tl.t1
     wall = t1 - t0
     lists = tl.lists()
@@ -255,6 +270,17 @@ def summarize(tl: Timeline, slowest: int = 10) -> dict:
     latencies = [h.latency for h in blocking]
     issued = sum(t.issued_bytes for t in tl.times)
     modelled = sum(tl.weight_bytes) + sum(tl.other_bytes) if tl.weight_bytes is not None else None
+    path = tl.critical_path()
+    on_path: dict[str, dict] = {}
+    reached = tl.t0  # a path task's hand-off: from its predecessor's signal (the step's start) to its wait done
+    for i in path:
+        t, o = tl.times[i], on_path.setdefault(tl.ops[i], {"count": 0, "body_ns": 0, "handoff_ns": 0})
+        o["count"] += 1
+        o["body_ns"] += t.interval("body")
+        o["handoff_ns"] += t.wait_done - reached
+        reached = t.signal
+    critical = {"tasks": len(path), "span_ns": reached - tl.t0, "handoff_ns": sum(o["handoff_ns"] for o in on_path.values()),
+                "by_op": dict(sorted(on_path.items(), key=lambda kv: -kv[1]["body_ns"]))}  # fmt: skip
     return {
         "step": tl.step,
         "tasks": len(tl.times),
@@ -267,6 +293,7 @@ def summarize(tl: Timeline, slowest: int = 10) -> dict:
         "producer_ns": producer,
         "producer_fraction": {k: (v / window if window else 0.0) for k, v in producer.items()},
         "by_op": dict(sorted(by_op.items(), key=lambda kv: -(kv[1]["wait_ns"] + kv[1]["body_ns"]))),
+        "critical_path": critical,
         "handoff": {
             "waits": len(handoffs),
             "blocking": len(blocking),
@@ -313,6 +340,10 @@ def format_summary(s: dict) -> str:
             f"{op:16s} {o['count']:6d} {_us(o['wait_ns']):>10s} {_us(o['wait_mean_ns']):>10s} {_us(o['body_ns']):>10s} "
             f"{_us(o['body_mean_ns']):>10s} {_us(o['ring_wait_ns']):>12s} {o['issued_bytes'] / 1e6:9.2f} {model:>9s} {gbps:>9s}"
         )
+    c = s["critical_path"]
+    lines += ["", f"critical path ({c['tasks']} tasks, {_us(c['span_ns'])} us): bodies and hand-offs (predecessor's signal -> wait done) per op kind:"]
+    for op, o in c["by_op"].items():
+        lines.append(f"  {op:16s} {o['count']:6d} tasks  body {_us(o['body_ns']):>10s} us  hand-off {_us(o['handoff_ns']):>9s} us")
     h = s["handoff"]
     lines += ["", f"hand-off (last signal -> waiter's wait done) over the {h['blocking']} blocking of {h['waits']} waits: "
                   f"median {_us(h['median_ns'])} us, p90 {_us(h['p90_ns'])} us, max {_us(h['max_ns'])} us; slowest:"]  # fmt: skip

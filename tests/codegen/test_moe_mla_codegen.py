@@ -135,12 +135,44 @@ def test_mla_decode_path_compiles(cache):
     assert "ld.shared.v4" in ptx and "st.global.v4" in ptx
 
 
-def test_mxfp4_bit_trick_matches_dequant():
-    """The templates' decode (mxfp4_dot.py.j2 `pair`), emulated on the bits, equals semantics.dequant_mxfp4
-    (low nibble = even index; the group scale is applied after) for every (code j, code j+4) pair."""
+def _bf16_bits(bits):
+    """The bf16 values (as float64) of 16-bit patterns (int64 tensor)."""
     import torch
 
+    return ((bits & 0xFFFF).to(torch.int32) << 16).view(torch.float32).double()
+
+
+def _pair_bits(word, j):
+    """mxfp4_dot.py.j2 `pair`'s integer ops for codes j and j + 4 of 32-bit words (j = 2, 3: codes 0, 1 of word >> 8)."""
+    src, q = (word, j) if j < 2 else (word >> 8, j - 2)
+    return (((src & (0x000F000F << (4 * q))) * (0x1040 >> (4 * q))) & 0xFFFFFFFF) & 0x81C081C0
+
+
+def _pair(word, j, mult):
+    """mxfp4_dot.py.j2 `pair` on the bits: codes j and j + 4 of 32-bit words as bf16 values (float64) after the
+    bf16 multiply by the bf16 `mult` (float64 tensor or float): (low half, high half)."""
+    import torch
+
+    bits = _pair_bits(word, j)
+    lo, hi = _bf16_bits(bits), _bf16_bits(bits >> 16)
+    return ((lo * mult).to(torch.bfloat16).double(), (hi * mult).to(torch.bfloat16).double())
+
+
+def _multiplier(s):
+    """mxfp4_dot.py.j2 `scale`: the bf16 of s * 0x0080 + 0x3B00 (one half of the bf16x2)."""
+    return _bf16_bits(s * 0x0080 + 0x3B00)
+
+
+def test_mxfp4_scaled_decode_is_exact():
+    """The templates' decode (mxfp4_dot.py.j2 `pair` of a word and of it >> 8, times `scale`), emulated on the bits
+    with bf16 rounding, is
+    semantics.dequant_mxfp4 x 2^-8 exactly, for every code pair and every scale byte the loaders accept
+    (MXFP4_MAX_SCALE) down to 10; x times 2^8 is exact; past the limit the multiplier is not finite."""
+    import torch
+
+    from k3mk.codegen.emit import emit_source
     from k3mk.ir import semantics
+    from k3mk.runtime.abi import MXFP4_MAX_SCALE
 
     i = torch.arange(1 << 16, dtype=torch.int64)
     words = i | ((((i << 4) | (i >> 12)) & 0xFFFF) << 16)  # low half: every pattern; high half: it rotated by a nibble
@@ -148,57 +180,83 @@ def test_mxfp4_bit_trick_matches_dequant():
     for j in range(4):
         assert len(set((codes[:, j] * 16 + codes[:, j + 4]).tolist())) == 256
     packed = torch.stack([(words >> (8 * k)) & 0xFF for k in range(4)], dim=-1).to(torch.uint8)
-    expect = semantics.dequant_mxfp4(packed, torch.full((packed.shape[0], 1), 127, dtype=torch.uint8), torch.float32)
+    source = emit_source([OpVariant("expert_combine", ExpertCombineParams(256, 256, 16, 1, 4, "mxfp4"))])
+    for needle in ("Uint32(0x00800080) + Uint32(0x3B003B00)", "0x43804380", "(w & Uint32(0x000F000F << (4 * q))) * Uint32(0x1040 >> (4 * q))",
+                   "spread & Uint32(0x81C081C0)", "w8 = w >> 8"):  # what is emulated here
+        assert needle in source, needle
+    for s in list(range(10, MXFP4_MAX_SCALE + 1, 7)) + [MXFP4_MAX_SCALE]:
+        expect = semantics.dequant_mxfp4(packed, torch.full((packed.shape[0], 1), s, dtype=torch.uint8), torch.bfloat16).double()
+        got = torch.empty_like(expect)
+        for j in range(4):
+            got[:, j], got[:, j + 4] = _pair(words, j, _multiplier(torch.tensor(s)))
+        assert torch.equal(got * 2.0**8, expect), s
+    assert not torch.isfinite(_multiplier(torch.tensor(MXFP4_MAX_SCALE + 1)))
+    x = torch.randn(4096, dtype=torch.float64).to(torch.bfloat16)
+    assert torch.equal((x * torch.tensor(2.0**8, dtype=torch.bfloat16)).double(), x.double() * 2.0**8)
 
-    def f32(bits: torch.Tensor) -> torch.Tensor:
-        return torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32).double()
 
-    got = torch.empty_like(expect)
-    for j in range(4):
-        top = (words << (12 - 4 * j)) & 0xFFFFFFFF
-        pair = (top & 0x80008000) | ((top & 0x70007000) >> 6)
-        got[:, j] = (f32((pair << 16) & 0xFFFFFFFF) * 2.0**126).float()
-        got[:, j + 4] = (f32(pair & 0xFFFF0000) * 2.0**126).float()
-    assert torch.equal(got, expect)
-
-
-def test_mxfp4_mma_fragments_give_the_group_dot():
-    """mxfp4_dot.py.j2's ONE m16n8k16 MMA per 32-code group, emulated with the PTX fragment layouts (A row-major:
-    lane 4g + t holds a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..]; B: b0 =
-    B[2t..2t+1][g], b1 = B[2t+8..][g]; C: c0 = C[g][2t], c3 = C[g+8][2t+1]): each lane's pairs of its word of
-    row g and the x words staged for its column (x_words) give d0 + d3 of lane 4g = row g's dot of the group
-    with x (float64: exact), on random codes and activations; a wrong pairing of codes and x is caught."""
+@pytest.mark.parametrize("code_streams, rows, in_features", [(2, 4, 416), (1, 8, 384), (1, 3, 160)])
+def test_mxfp4_mma_spans_give_the_row_dots(code_streams, rows, in_features):
+    """mxfp4_dot.py.j2's MMAs over a fill of `rows` rows per code stream, emulated with the PTX fragment layouts
+    (A row-major: lane 4g + t holds a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..];
+    B: b0 = B[2t..2t+1][g], b1 = B[2t+8..][g]; C: c0 = C[g][2t], c3 = C[g+8][2t+1]): MMA row g reads code row
+    mma_code_row(g) (clamped to the fill's rows), lane t group t of each span (the tail's lanes past the row
+    re-read its last group), x staged by `x_store`'s formula with zeros past in_features, four accumulator
+    chains summed as `row_sum` in lane 4g; every row's result equals its dot with x (float64, exact) on random
+    codes, scales and activations. A wrong B column or pair order is caught."""
     import torch
 
     from k3mk.ir import semantics
+    from k3mk.ir.streaming import MMA_COPY_ROWS, MXFP4_SPAN, mma_code_row, mxfp4_padded
 
-    gen = torch.Generator().manual_seed(5)
-    packed = torch.randint(0, 256, (8, 16), generator=gen, dtype=torch.uint8)  # 8 rows x one 32-code group
-    x = torch.randn(32, generator=gen, dtype=torch.float64).to(torch.bfloat16).double()
-    ref = semantics.dequant_mxfp4(packed, torch.full((8, 1), 127, dtype=torch.uint8), torch.float32).double() @ x
-    codes = semantics.dequant_mxfp4(packed, torch.full((8, 1), 127, dtype=torch.uint8), torch.float32).double()
+    gen = torch.Generator().manual_seed(in_features)
+    k, kp, copy_rows = in_features, mxfp4_padded(in_features), min(rows, MMA_COPY_ROWS)
+    packed = torch.randint(0, 256, (code_streams, rows, k // 2), generator=gen, dtype=torch.uint8)
+    scale = torch.randint(118, 127, (code_streams, rows, k // 32), generator=gen, dtype=torch.uint8)
+    x = torch.randn(k, generator=gen, dtype=torch.float64).to(torch.bfloat16).double()
+    ref = semantics.dequant_mxfp4(packed, scale, torch.bfloat16).double() @ x  # [stream, row]
+    words = torch.from_numpy(packed.numpy().view("<u4").astype("int64"))  # [stream, row, k / 8] code words
 
-    def pair(row: int, t: int, j: int) -> tuple[float, float]:  # (code 8t + j, code 8t + j + 4): lane 4g + t's word t
-        return codes[row, 8 * t + j].item(), codes[row, 8 * t + j + 4].item()
-
-    def x_words(t: int) -> list[tuple[float, float]]:  # (x0, x4), (x1, x5), (x2, x6), (x3, x7) of vector t
-        v = x[8 * t : 8 * t + 8].tolist()
+    def x_words(kv):  # (x0, x4), (x1, x5), (x2, x6), (x3, x7) of vector kv, x 2^8, zeros past k
+        v = [256 * e for e in x[8 * kv : 8 * kv + 8].tolist()] if 8 * kv < k else [0.0] * 8
         return [(v[0], v[4]), (v[1], v[5]), (v[2], v[6]), (v[3], v[7])]
 
-    def emulate(a_pairs, xcol) -> torch.Tensor:
-        A, B = torch.zeros(16, 16, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64)
-        for lane in range(32):
-            g, t = lane // 4, lane % 4
-            a0, a1, a2, a3 = a_pairs(g, t)
-            A[g, 2 * t : 2 * t + 2], A[g + 8, 2 * t : 2 * t + 2] = torch.tensor(a0), torch.tensor(a1)
-            A[g, 2 * t + 8 : 2 * t + 10], A[g + 8, 2 * t + 8 : 2 * t + 10] = torch.tensor(a2), torch.tensor(a3)
-            words = x_words(t)[2 * (g % 2) : 2 * (g % 2) + 2] if xcol else x_words(t)[:2]
-            B[2 * t : 2 * t + 2, g], B[2 * t + 8 : 2 * t + 10, g] = torch.tensor(words[0]), torch.tensor(words[1])
-        C = A @ B
-        return torch.stack([C[g, 0] + C[g + 8, 1] for g in range(8)])  # lane 4g's c0 + c3
+    sx = {}  # x_store: word index -> its (low, high) bf16 values
+    for kv in range(kp // 8):
+        r, w = kv % 16, x_words(kv)
+        at = (kv // 16) * 64 + ((r % 4) // 2) * 32 + (r // 4) * 8 + (r % 2) * 2
+        sx[at], sx[at + 1], sx[at + 4], sx[at + 5] = w
 
-    kernel = lambda g, t: (pair(g, t, 0), pair(g, t, 2), pair(g, t, 1), pair(g, t, 3))  # noqa: E731 (read_only_args order)
-    assert torch.equal(emulate(kernel, True), ref)
-    assert not torch.allclose(emulate(kernel, False), ref)  # every column column 0's x: row g + 8 meets the wrong codes
-    swapped = lambda g, t: (pair(g, t, 0), pair(g, t, 1), pair(g, t, 2), pair(g, t, 3))  # noqa: E731
-    assert not torch.allclose(emulate(swapped, True), ref)
+    def codes(word, q):  # the exact E2M1 values of pair q's halves (its bits x 2^126)
+        bits = _pair_bits(torch.tensor([word]), q)
+        return float(_bf16_bits(bits)) * 2.0**126, float(_bf16_bits(bits >> 16)) * 2.0**126
+
+    def run(xcolumn, order):
+        acc = torch.zeros(4, 16, 8, dtype=torch.float64)  # C of the four MMA chains
+        for p in range(kp // MXFP4_SPAN):
+            for j in range(4):
+                A, B = torch.zeros(16, 16, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64)
+                for lane in range(32):
+                    g, t = lane // 4, lane % 4
+                    stream, row = mma_code_row(code_streams, copy_rows, g)
+                    row = min(row, rows - 1)
+                    group = min(4 * p + t, k // 32 - 1)  # the tail's lanes past the row: its last group again
+                    m = 2.0 ** (int(scale[stream, row, group]) - 127 - 8)  # `pair` x `scale` (exact: the test above)
+                    pairs = [tuple(c * m for c in codes(int(words[stream, row, 4 * group + j]), q)) for q in range(4)]
+                    a0, a1, a2, a3 = (pairs[q] for q in order)
+                    A[g, 2 * t : 2 * t + 2], A[g + 8, 2 * t : 2 * t + 2] = torch.tensor(a0), torch.tensor(a1)
+                    A[g, 2 * t + 8 : 2 * t + 10], A[g + 8, 2 * t + 8 : 2 * t + 10] = torch.tensor(a2), torch.tensor(a3)
+                    base = p * 64 + (j // 2) * 32 + t * 8 + xcolumn(g) * 4 + (j % 2) * 2
+                    B[2 * t : 2 * t + 2, g], B[2 * t + 8 : 2 * t + 10, g] = torch.tensor(sx[base]), torch.tensor(sx[base + 1])
+                acc[j] += A @ B
+        out = torch.full((code_streams, rows), float("nan"), dtype=torch.float64)
+        for g in range(8):
+            stream, row = mma_code_row(code_streams, copy_rows, g)
+            if row < rows:  # the kernel stores only the unclamped rows
+                out[stream, row] = sum(acc[j, g, 0] + acc[j, g + 8, 1] for j in range(4))  # row_sum in lane 4g
+        return out
+
+    kernel = (0, 2, 1, 3)  # the pairs in read_only_args order
+    assert torch.equal(run(lambda g: g % 2, kernel), ref)
+    assert not torch.allclose(run(lambda g: 0, kernel), ref)  # column 0's x everywhere: rows g + 8 meet the wrong codes
+    assert not torch.allclose(run(lambda g: g % 2, (0, 1, 2, 3)), ref)

@@ -14,7 +14,7 @@ import pytest
 
 from k3mk.codegen.emit import emit_source
 from k3mk.codegen.ops import MIN_RING_SLOTS, OP_SMEM_LIMIT, CodegenError, KernelConfig, ring_layout
-from k3mk.ir.streaming import LANE_ORDER_ELEMENTS, MMA_COPY_ROWS, MMA_ROWS, MXFP4_CHUNK_ELEMENTS, VECTOR_BYTES, StreamingError, fill_plan
+from k3mk.ir.streaming import LANE_ORDER_ELEMENTS, MMA_ROWS, MXFP4_CHUNK_ELEMENTS, MXFP4_SPAN, VECTOR_BYTES, StreamingError, fill_plan, mma_code_row
 from k3mk.ir.task_table import ExpertCombineParams, ExpertGatedParams, GemvParams, MlaDecodeParams, NopParams, OpVariant
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
@@ -138,19 +138,23 @@ def test_mxfp4_scale_windows():
     ("expert_combine", ExpertCombineParams(256, 256, 16, 4, 4, "mxfp4"), 8, 2),
 ])  # fmt: skip
 def test_mxfp4_code_rows_are_the_mma_rows(op, params, rows, copies):
-    """An MXFP4 fill's code rows (gate then up) are A rows 0..7 of the consumer warp's MMAs, copied
-    MMA_COPY_ROWS rows at a time; the copies sit 64 bytes apart mod 128, so the 32 lanes' word loads of any
-    group (lane 4g + t: word t of row g's group) touch every bank at most MMA_COPY_ROWS times (K3: 4-way), not 8."""
+    """An MXFP4 fill's code rows (gate then up) are A rows 0..7 of the consumer warp's MMAs (mma_code_row covers
+    every row of the fill once), copied MMA_COPY_ROWS rows at a time, the copies 64 bytes apart mod 128. A
+    lane's 16-byte load of a span (lane 4g + t: group t of MMA row g's row) is served 8 lanes per wavefront
+    (MMA rows 2q, 2q + 1): those 8 loads cover 8 distinct 16-byte bank groups in every span (conflict-free)."""
     plan = fill_plan(op, params, 16 * 1024)
     codes = [st for st in plan.streams if st.mma_rows]
     assert plan.rows == rows and plan.rows * len(codes) <= MMA_ROWS and plan.copy_groups() == copies
-    offsets = [plan.stream_offset(s) + plan.row_offset(st, r) for s, st in enumerate(codes) for r in range(plan.rows)]
-    assert all(o % 16 == 0 for o in offsets) and len(set(offsets)) == len(offsets)
+    offsets = {(s, r): plan.stream_offset(s) + plan.row_offset(st, r) for s, st in enumerate(codes) for r in range(plan.rows)}
+    assert all(o % 16 == 0 for o in offsets.values()) and len(set(offsets.values())) == len(offsets)
     row_bytes = codes[0].bytes(plan.chunk)
-    assert sorted(offsets)[-1] + row_bytes <= plan.stream_offset(len(codes))  # the rows do not overlap the scales
-    for group in range(params.in_features // 32):
-        hits = collections.Counter(((offsets[m] + group * 16 + 4 * t) // 4) % 32 for m in range(len(offsets)) for t in range(4))
-        assert max(hits.values()) <= MMA_COPY_ROWS
+    assert max(offsets.values()) + row_bytes <= plan.stream_offset(len(codes))  # the rows do not overlap the scales
+    read = [mma_code_row(len(codes), plan.copy_rows, g) for g in range(MMA_ROWS)]
+    assert {m for m in read if m[1] < plan.rows} == set(offsets) and len(set(read)) == MMA_ROWS
+    for span in range(params.in_features // MXFP4_SPAN):
+        for q in range(4):
+            groups = [((offsets[read[g]] + span * 64 + 16 * t) // 16) % 8 for g in (2 * q, 2 * q + 1) for t in range(4)]
+            assert len(set(groups)) == 8, (span, q)
     for s, st in enumerate(codes):  # a copy's rows are adjacent in the slot, as in global memory
         for r in range(1, plan.rows):
             if r % plan.copy_rows:

@@ -172,7 +172,7 @@ def expert_gated_case(name: str, batch: int, k_in: int, n: int, experts: int, to
 
 
 def expert_combine_case(name: str, batch: int, k_in: int, n: int, experts: int, top_k: int, fmt: str, row_tiles: int,
-                        ctas: int) -> MoeMlaCase:  # fmt: skip
+                        ctas: int, scale_range: tuple[int, int] = (118, 121)) -> MoeMlaCase:  # fmt: skip
     b = TableBuilder(ctas)
     x = b.buffer("x", "bfloat16", (batch, top_k, k_in))
     ids = b.buffer("ids", "int32", (batch, top_k))
@@ -190,7 +190,7 @@ def expert_combine_case(name: str, batch: int, k_in: int, n: int, experts: int, 
                 "ids": _distinct_ids(gen, batch, top_k, experts, "cpu"),
                 "topk_weights": torch.rand((batch, top_k), generator=gen) + 0.1}  # fmt: skip
 
-    return MoeMlaCase(name, b, "expert_combine", default_weights(b, (118, 121)), inputs, outputs=["y"])
+    return MoeMlaCase(name, b, "expert_combine", default_weights(b, scale_range), inputs, outputs=["y"])
 
 
 def moe_graph_case() -> MoeMlaCase:
@@ -314,6 +314,9 @@ def moe_mla_cases() -> list[MoeMlaCase]:
         expert_combine_case("expert_combine_bf16_b4", 4, 264, 520, 7, 3, "bfloat16", row_tiles=5, ctas=4),
         expert_combine_case("expert_combine_mxfp4_b1", 1, 224, 272, 9, 4, "mxfp4", row_tiles=3, ctas=3),
         expert_combine_case("expert_combine_mxfp4_b4", 4, 224, 144, 9, 4, "mxfp4", row_tiles=4, ctas=4),
+        # the ends of the scale range the MXFP4 decode takes exactly (mxfp4_dot.py.j2: bytes 10..136)
+        expert_combine_case("expert_combine_mxfp4_low_scales_b1", 1, 224, 144, 9, 4, "mxfp4", row_tiles=2, ctas=2, scale_range=(10, 16)),
+        expert_combine_case("expert_combine_mxfp4_high_scales_b1", 1, 224, 144, 9, 4, "mxfp4", row_tiles=2, ctas=2, scale_range=(130, 136)),
         moe_graph_case(),
         mla_case("mla_k3dims_b1", 1, 5, 512, 64, 128, 128, 700, 6, 32, 4, ctas=8),
         mla_case("mla_odd_b4", 4, 3, 136, 24, 40, 24, 157, 3, 16, 2, ctas=6),

@@ -109,10 +109,24 @@ def test_summary(tl):
     assert (h["waits"], h["blocking"], h["median_ns"], h["p90_ns"], h["max_ns"]) == (3, 2, 400, 500, 500)
     assert [(x["event"], x["latency_ns"], x["signaller"], x["waiter"]) for x in h["slowest"]] == [
         ("a_done", 500, "A", "C"), ("c_done", 400, "C", "B")]  # fmt: skip
+    c = s["critical_path"]  # A -> C (C waited for e0) -> B (B waited for e1): 64 + 1036 + 500 + 1000 + 400 + 100 ns
+    assert (c["tasks"], c["span_ns"], c["handoff_ns"]) == (3, 3100, 64 + 500 + 400)
+    assert c["by_op"] == {"add": {"count": 2, "body_ns": 2036, "handoff_ns": 564}, "nop": {"count": 1, "body_ns": 100, "handoff_ns": 400}}
     text = format_summary(s)
+    assert "critical path (3 tasks, 3.10 us)" in text and "add                   2 tasks  body       2.04 us" in text
     assert "wall 3.10 us" in text and "median 0.40 us, p90 0.50 us" in text
     assert "0.50 us  a_done: CTA 0 A -> CTA 1 C" in text
     assert "blocked on a full ring 9.7%" in text and "wait 55.9%" in text
+
+
+def test_critical_path_follows_binding_waits_and_lists(tl):
+    """A -> C -> B on the fixture (module comment); with B's wait satisfied before B starts, B's list predecessor A
+    binds it instead; a task late for its event is reached through its list."""
+    assert tl.critical_path() == [0, 2, 1]
+    late = {**STAMPS, 1: (3700, 3710, 4100, 7, 950, 960, 0, 0)}  # B starts after C signalled e1 (3600)
+    assert Timeline.from_records(loaded_table(), records(late), STEP).critical_path() == [0, 1]
+    d_last = {**STAMPS, 3: (3700, 3800, 4200, 9, 1500, 1510, 0, 0)}  # D ends last: D began after A's signal, so C binds it
+    assert Timeline.from_records(loaded_table(), records(d_last), STEP).critical_path() == [0, 2, 3]
 
 
 def test_summary_without_bytes():

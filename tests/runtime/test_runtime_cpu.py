@@ -131,3 +131,17 @@ def test_watchdog_report_names_ring_waits():
     assert "CTA 0 (SM 17) timed out in its streaming ring: the producer waiting for a free slot for fill 9 (barrier at smem byte 1040)" in text
     assert "CTA 2 (SM 40) timed out in its streaming ring: the consumers waiting for the record of task 3" in text
     assert [r["cta"] for r in e.value.records] == [0, 2]
+
+
+def test_mxfp4_scales_past_the_decode_limit_are_refused():
+    """bind_weights' MXFP4 scale check: bytes up to abi.MXFP4_MAX_SCALE pass, a larger one is an error naming the
+    tensor, the byte and how many exceed the limit."""
+    import torch
+
+    from k3mk.runtime.megakernel import _check_mxfp4_scales
+
+    scales = torch.randint(0, abi.MXFP4_MAX_SCALE + 1, (3, 8, 16), dtype=torch.uint8)
+    _check_mxfp4_scales("model.layers.1.mlp.experts.w2.weight_scale", scales)
+    scales[1, 2, 3], scales[2, 0, 0] = abi.MXFP4_MAX_SCALE + 2, abi.MXFP4_MAX_SCALE + 1
+    with pytest.raises(ValueError, match=r"'model.layers.1.mlp.experts.w2.weight_scale': MXFP4 scale byte 138 \(2\^11; 2 byte"):
+        _check_mxfp4_scales("model.layers.1.mlp.experts.w2.weight_scale", scales)
