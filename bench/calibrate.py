@@ -16,7 +16,7 @@ machine (no GPU). What is fitted, from the first recorded step, and from what:
   least squares over its tasks (bytes: task_bytes.json's weight + other);
 * consume and prologue per weight format: the same fit over the streaming tasks whose fills were all
   issued at least `--landed-us` before their body began (so the ring held them: the body is the
-  consumers' own work);
+  consumers' own work), against the bytes of the task's busiest warp times the warps (the replay's body);
 * sm_stream: the copy bandwidth / the CTAs (given: the decode bench measures it in the same run);
 * fill_latency: the value of a small grid whose replay of PROFILE_ARTIFACT comes closest to the recorded step.
 
@@ -27,6 +27,7 @@ Prints the constants, the replay of PROFILE_ARTIFACT beside its recorded step an
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import sys
@@ -126,7 +127,9 @@ def fit(build: Build, records: np.ndarray, fields: list[str], sm_stream: float, 
         if col["produce_end"][i] + landed_s <= col["wait_done"][i] and fills <= build.ring.slots:
             fmt = "mxfp4" if getattr(v.params, "weight_format", "") == "mxfp4" else "bfloat16"
             xs, ys = streamed.setdefault(fmt, ([], []))
-            xs.append(task_bytes[i][0])
+            # the replay's body: the busiest warp's fills at a warp's share of the rate (ir/replay.py)
+            busiest = max(collections.Counter(plan.owners(t.operands.get("row_count", 0), build.ring.warps)).values())
+            xs.append(busiest * task_bytes[i][0] / fills * build.ring.warps)
             ys.append(body)
     fitted_direct = dict(base.direct)
     for op, (xs, ys) in direct.items():
@@ -170,7 +173,7 @@ def main() -> int:
     parser.add_argument("--replay", nargs="*", default=[], metavar="ARTIFACT=MEASURED_US", help="builds to predict with the fitted constants")
     args = parser.parse_args()
 
-    from k3mk.ir.replay import H200_2026_12_01
+    from k3mk.ir.replay import H200_2026_12_02
 
     build = Build.load(args.artifact)
     rec = torch.load(args.timeline / "records.pt")
@@ -178,7 +181,7 @@ def main() -> int:
     if len(records) != build.table.num_tasks:
         print(f"error: {args.timeline}/records.pt holds {len(records)} tasks, {args.artifact} has {build.table.num_tasks}", file=sys.stderr)
         return 2
-    costs, report = fit(build, records, rec["fields"], args.copy_tbps * 1e12 / len(build.table.lists), args.landed_us * 1e-6, H200_2026_12_01)
+    costs, report = fit(build, records, rec["fields"], args.copy_tbps * 1e12 / len(build.table.lists), args.landed_us * 1e-6, H200_2026_12_02)
     own = build.replay(costs)
     summary = json.loads((args.timeline / "summary.json").read_text())["steps"][0]
     measured_shares = summary["cta_time_fraction"]

@@ -9,8 +9,9 @@ Per CTA two processes, as in the kernel and in the ring-aware deadlock check (ir
   CTA's share of HBM (`sm_stream` bytes/s, one stream per SM);
 - the consumers take task i once its record is there and the previous task is done, wait for its events
   (`handoff` after the last producer's end), and run the body: a streaming op spends its `prologue`
-  (input staging), then takes its fills in order, each no earlier than it landed and `slot bytes /
-  consume rate` after the previous one; any other op reads what it reads straight from memory (a fixed
+  (input staging), then each fill's consumer warp (ir/streaming.py FillPlan.owners) takes it no earlier than
+  it landed and `fill bytes / (consume rate / warps)` after that warp's previous fill, and the body ends
+  with its last warp (the CTA barrier before the release); any other op reads what it reads straight from memory (a fixed
   time plus its bytes at a per-op rate), and signals; taking the next record costs the CTA
   `task_overhead`. The step ends with the last body (the profile's wall: first start to last body_end).
 
@@ -18,7 +19,7 @@ What it leaves out: HBM shared unevenly (an SM streaming alone gets more than it
 slow when few SMs stream), L2 hits, the MLA chunk's run-time length (a chunk's bytes are its
 max-context bytes, so contexts below the artifact's max are overstated), the KDA state's L2 prefetch.
 
-Every constant is a measurement: `H200_2026_12_01` says which. The replay runs in an order the events
+Every constant is a measurement: `H200_2026_12_02` says which. The replay runs in an order the events
 allow (ir/table_exec.py table_order), so each task's inputs are known when it is timed. Pure Python over
 the table and per-task byte counts (the compiler's: `compiler/pipeline.py` passes them), like the
 deadlock check.
@@ -44,7 +45,7 @@ class EngineCosts:
     fill_issue: float  # s the producer lane spends per fill (slot wait when free, expect_tx, the copies, SLOT_SEQ)
     handoff: float  # s from an event's last signal to its waiter running
     task_overhead: float  # s between a task's body end (its release) and the next task's start on its CTA
-    consume: dict[str, float]  # bytes/s at which the consumers take a streaming op's fills (bf16; "mxfp4": MXFP4 experts)
+    consume: dict[str, float]  # bytes/s at which a CTA's consumer warps together take a streaming op's fills (bf16; "mxfp4": MXFP4 experts)
     prologue: float  # s a streaming op spends before its first fill (input staged, norm statistics)
     direct: dict[str, tuple[float, float]] = field(default_factory=dict)  # other op: (fixed s, bytes/s of what it reads / writes)
     direct_default: tuple[float, float] = (1.0e-6, 20e9)
@@ -65,20 +66,32 @@ class EngineCosts:
         return EngineCosts(**d)
 
 
-# H200, 2026-12-01, kernel 69c8fdb (BENCHMARKS.md, docs/megakernel.md):
-H200_2026_12_01 = EngineCosts(
-    sm_stream=4.24e12 / 132,  # the decode bench's copy bandwidth, 4.24 TB/s, over 132 SMs
-    fill_latency=1.5e-6,  # a loaded HBM round trip of a 16 KB bulk copy (PERFORMANCE.md, Little's law estimate)
-    fill_issue=0.0,
-    handoff=0.71e-6,  # bench_handoff_1024: 0.71 us per dependent hop
-    task_overhead=0.8e-6,  # kimi-linear-48b b1 timeline: 5.7% of CTA time between tasks, 315 tasks per CTA in 4.55 ms
-    # bench_gemv_b1_16384x7168 (63.5 us for 235 MB over 132 CTAs x 4 tasks) leaves the bf16 consumers far
-    # from the limit; the MXFP4 expert bodies are ALU bound: 8.0 / 9.3 GB/s per CTA (2026-11-30 timeline)
-    consume={"bfloat16": 120e9, "mxfp4": 8.5e9},
-    prologue=0.7e-6,  # per-task input staging / norm prologue (PERFORMANCE.md cause 4: ~0.7 us)
-    # kda_recurrence at K3 size (96 tasks on 96 CTAs, L2 evicted): b1 12.6 us, b4 28.6 us a step, 5.8 us empty:
-    # 1.0 us + the state's bytes at 23 GB/s fits both
-    direct={"kda_recurrence": (1.0e-6, 23e9)},
+# H200, 2026-12-02 (BENCHMARKS.md "2026-12-02, evening"): bench/calibrate.py on the Kimi Linear 48B b1 timeline of
+# 225fb85's kernel (3,245 us recorded, 3,215 replayed), except where a line says otherwise
+H200_2026_12_02 = EngineCosts(
+    sm_stream=4.26e12 / 132,  # the decode bench's copy bandwidth that day, 4.26 TB/s, over 132 SMs
+    fill_latency=2.00e-6,  # the calibration grid's value closest to the recorded step
+    fill_issue=0.35e-6,  # the median producer time per fill of the streaming tasks that wait on nothing
+    handoff=0.95e-6,  # the median blocking hand-off
+    task_overhead=0.95e-6,  # the median gap from a body's end to the next task's start
+    # bf16: the fit over streaming tasks whose fills had landed; MXFP4: the K3-size expert GEMV benches (2.67 / 2.25
+    # TB/s, gated / combine, over 132 CTAs: a microbenchmark, no Kimi Linear task streams MXFP4)
+    consume={"bfloat16": 206.4e9, "mxfp4": (2.67e12 + 2.25e12) / 2 / 132},
+    prologue=2.75e-6,  # the same fit's fixed part per task (input staging, norm statistics)
+    direct={
+        # kda_recurrence at K3 size (96 tasks on 96 CTAs, L2 evicted, 2026-12-01): b1 12.6 us, b4 28.6 us a step,
+        # 5.8 us empty: 1.0 us + the state's bytes at 23 GB/s fits both batches (a b1 fit alone has no byte term)
+        "kda_recurrence": (1.0e-6, 23e9),
+        # the others: the b1 fit, a fixed time per task (their bytes did not fit a rate at one batch)
+        "kda_conv": (4.77e-6, 1e15),
+        "mla_decode": (1.91e-6, 1e15),
+        "mla_q_absorb": (5.72e-6, 1e15),
+        "mla_v_up": (9.30e-6, 1e15),
+        "mla_latent": (2.62e-6, 1e15),
+        "rmsnorm": (2.15e-6, 1e15),
+        "router_topk": (5.84e-6, 1e15),
+        "nop": (0.95e-6, 1e15),
+    },
 )
 
 
@@ -137,9 +150,12 @@ def replay(table: TaskTable, task_bytes: Sequence[Sequence[tuple[int, int]]], ri
         ready = max([event_done[e] + costs.handoff for e in task.wait] + [start])
         wait_s += ready - start
         if fills:
-            rate = costs.consume["mxfp4" if getattr(variant.params, "weight_format", "") == "mxfp4" else "bfloat16"]
-            c = ready + costs.prologue
-            for f in range(len(landed[s]), len(landed[s]) + fills):
+            # each fill is one consumer warp's (ir/streaming.py FillPlan.owners), taken at the warp's share of the
+            # CTA's consume rate; the task ends with its last warp (the CTA barrier before its release)
+            rate = costs.consume["mxfp4" if getattr(variant.params, "weight_format", "") == "mxfp4" else "bfloat16"] / ring.warps
+            owners = plan.owners(task.operands.get("row_count", 0), ring.warps)
+            warp_free = [ready + costs.prologue] * ring.warps
+            for i, f in enumerate(range(len(landed[s]), len(landed[s]) + fills)):
                 slot_free = released[s][f - ring.slots] if f >= ring.slots else 0.0  # an earlier fill, maybe of this task
                 if slot_free > p:
                     blocked_s += slot_free - p
@@ -147,9 +163,10 @@ def replay(table: TaskTable, task_bytes: Sequence[Sequence[tuple[int, int]]], ri
                 stream = landed[s][-1] + fill_bytes / costs.sm_stream if landed[s] else 0.0
                 landed[s].append(max(p + costs.fill_latency, stream))
                 p += costs.fill_issue
-                c = max(c, landed[s][f]) + fill_bytes / rate
-                released[s].append(c)
-            end = c
+                w = owners[i]
+                warp_free[w] = max(warp_free[w], landed[s][f]) + fill_bytes / rate
+                released[s].append(warp_free[w])
+            end = max(warp_free)
         else:
             end = ready + costs.direct_time(variant.op, weight_bytes + other_bytes)
         producer[s] = p

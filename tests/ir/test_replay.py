@@ -1,6 +1,7 @@
 """The streaming engine's cost model (ir/replay.py) against step times worked out by hand for small
 tables: a stream-bound task, a ring of one slot, a hand-off between CTAs, a routed expert whose producer
-waits for its router, and the per-task costs of ops that do not stream."""
+waits for its router, and the per-task costs of ops that do not stream. A fill is its consumer warp's, taken
+at a warp's share of the consume rate (WARP_RATE), and a task ends with its last warp."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from k3mk.ir.replay import H200_2026_12_01, EngineCosts, replay
+from k3mk.ir.replay import H200_2026_12_02, EngineCosts, replay
 from k3mk.ir.streaming import RingModel, fill_plan
 from k3mk.ir.task_table import Event, ExpertGatedParams, GemvParams, NopParams, OpVariant, RouterTopkParams, Task, TaskTable, WeightSpec
 
@@ -18,6 +19,10 @@ ROUTER = OpVariant("router_topk", RouterTopkParams(4, 1, 2))
 NOP = OpVariant("nop", NopParams())
 COSTS = EngineCosts(sm_stream=20e9, fill_latency=1.5e-6, fill_issue=0.0, handoff=0.7e-6, task_overhead=0.5e-6,
                     consume={"bfloat16": 200e9, "mxfp4": 8e9}, prologue=0.3e-6, direct={"nop": (0.2e-6, 1e9)})  # fmt: skip
+
+
+WARPS = 8
+WARP_RATE = COSTS.consume["bfloat16"] / WARPS
 
 
 def table_of(lists, events=2) -> TaskTable:
@@ -31,13 +36,15 @@ def fills(variant: OpVariant, rows: int) -> int:
 
 def test_a_streaming_task_is_as_fast_as_its_fills_land():
     """One gemv of F fills, the ring larger than F: fills land at the stream's rate after the first one's
-    latency; the consumers (10x faster) finish each fill just after it lands."""
+    latency; each warp (1.25x the stream at its share) finishes its fill before its next one lands, so the step
+    is the last fill's landing plus one warp's time on it."""
     f = fills(GEMV, 1024)
-    assert f >= 4
+    assert f >= 2 * WARPS
     w = 1024 * 64 * 2
     b = w / f
-    r = replay(table_of([[Task(0, {"weight": 0, "row_count": 1024}, (), None, "g")]]), [[(w, 0)]], RingModel(64, 4, 8), COSTS)
-    expected = COSTS.fill_latency + (f - 1) * b / COSTS.sm_stream + b / COSTS.consume["bfloat16"]
+    assert b / WARP_RATE < WARPS * b / COSTS.sm_stream  # a warp keeps up with its every-8th fill
+    r = replay(table_of([[Task(0, {"weight": 0, "row_count": 1024}, (), None, "g")]]), [[(w, 0)]], RingModel(64, 4, WARPS), COSTS)
+    expected = COSTS.fill_latency + (f - 1) * b / COSTS.sm_stream + b / WARP_RATE
     assert r.step_s == pytest.approx(expected, rel=1e-12)
     assert r.producer_blocked_s == 0 and r.consumer_wait_s == 0
 
@@ -46,8 +53,8 @@ def test_a_ring_of_one_slot_serialises_issue_latency_and_consumption():
     f = fills(GEMV, 1024)
     w = 1024 * 64 * 2
     b = w / f
-    r = replay(table_of([[Task(0, {"weight": 0, "row_count": 1024}, (), None, "g")]]), [[(w, 0)]], RingModel(1, 4, 8), COSTS)
-    per_fill = COSTS.fill_latency + b / COSTS.consume["bfloat16"]  # issue waits for the previous release
+    r = replay(table_of([[Task(0, {"weight": 0, "row_count": 1024}, (), None, "g")]]), [[(w, 0)]], RingModel(1, 4, WARPS), COSTS)
+    per_fill = COSTS.fill_latency + b / WARP_RATE  # issue waits for the previous release
     assert r.step_s == pytest.approx(f * per_fill, rel=1e-12)
     assert r.producer_blocked_s == pytest.approx((f - 1) * per_fill, rel=1e-12)  # each issue waits a whole fill
 
@@ -59,10 +66,11 @@ def test_a_waiter_starts_a_handoff_after_its_producer_ends_and_its_weights_are_a
     f = fills(GEMV, 64)
     w = 64 * 64 * 2
     lists = [[Task(3, {}, (), 0, "a")], [Task(0, {"weight": 0, "row_count": 64}, (0,), None, "b")]]
-    r = replay(table_of(lists, 1), [[(0, 3000)], [(w, 0)]], RingModel(64, 4, 8), COSTS)
+    r = replay(table_of(lists, 1), [[(0, 3000)], [(w, 0)]], RingModel(64, 4, WARPS), COSTS)
     start = nop_time + COSTS.handoff  # the release follows the body at once
     assert COSTS.fill_latency + (f - 1) * (w / f) / COSTS.sm_stream < start  # the fills landed during the wait
-    body = COSTS.prologue + w / COSTS.consume["bfloat16"]
+    assert f <= WARPS  # one fill per warp, side by side
+    body = COSTS.prologue + (w / f) / WARP_RATE
     assert r.step_s == pytest.approx(start + body, rel=1e-12)
     assert r.consumer_wait_s == pytest.approx(start, rel=1e-12)
 
@@ -74,24 +82,24 @@ def test_a_routed_experts_fills_start_after_its_router():
     w = 2 * 64 * 64 * 2
     b = w / f
     lists = [[Task(2, {}, (), 0, "router")], [Task(1, {"weight": 1, "weight_up": 1, "row_count": 64}, (0,), None, "expert", weight_wait=0)]]
-    r = replay(table_of(lists, 1), [[(0, 4096)], [(w, 0)]], RingModel(64, 4, 8), COSTS)
+    r = replay(table_of(lists, 1), [[(0, 4096)], [(w, 0)]], RingModel(64, 4, WARPS), COSTS)
     router_end = COSTS.direct_default[0] + 4096 / COSTS.direct_default[1]
     last_land = router_end + COSTS.handoff + COSTS.fill_latency + (f - 1) * b / COSTS.sm_stream
-    assert r.step_s == pytest.approx(last_land + b / COSTS.consume["bfloat16"], rel=1e-12)
+    assert r.step_s == pytest.approx(last_land + b / WARP_RATE, rel=1e-12)
 
 
 def test_the_producer_issue_cost_caps_a_cta_stream():
     f = fills(GEMV, 1024)
     w = 1024 * 64 * 2
     slow = dataclasses.replace(COSTS, fill_issue=2e-6)
-    r = replay(table_of([[Task(0, {"weight": 0, "row_count": 1024}, (), None, "g")]]), [[(w, 0)]], RingModel(64, 4, 8), slow)
-    expected = (f - 1) * slow.fill_issue + slow.fill_latency + w / f / slow.consume["bfloat16"]
+    r = replay(table_of([[Task(0, {"weight": 0, "row_count": 1024}, (), None, "g")]]), [[(w, 0)]], RingModel(64, 4, WARPS), slow)
+    expected = (f - 1) * slow.fill_issue + slow.fill_latency + w / f / WARP_RATE
     assert r.step_s == pytest.approx(expected, rel=1e-12)
 
 
 def test_task_bytes_must_match_the_lists():
     with pytest.raises(ValueError, match="one \\(weight, other\\) pair per task"):
-        replay(table_of([[Task(3, {}, (), None, "a")]]), [[]], RingModel(4, 4, 8), H200_2026_12_01)
+        replay(table_of([[Task(3, {}, (), None, "a")]]), [[]], RingModel(4, 4, 8), H200_2026_12_02)
 
 
 def test_a_ctas_next_task_starts_its_overhead_after_the_previous_body():
@@ -109,8 +117,9 @@ def test_a_combines_weights_stream_while_the_stage_it_waits_for_runs():
     w = 2 * 64 * 64 * 2
     lists = [[Task(2, {}, (), 0, "router")], [Task(3, {}, (), 1, "gated")],
              [Task(1, {"weight": 1, "weight_up": 1, "row_count": 64}, (0, 1), None, "combine", weight_wait=0)]]
-    r = replay(table_of(lists, 2), [[(0, 4096)], [(0, 20000)], [(w, 0)]], RingModel(64, 4, 8), COSTS)
+    r = replay(table_of(lists, 2), [[(0, 4096)], [(0, 20000)], [(w, 0)]], RingModel(64, 4, WARPS), COSTS)
     gated_end = COSTS.direct_time("nop", 20000)
     router_end = COSTS.direct_default[0] + 4096 / COSTS.direct_default[1]
     assert router_end + COSTS.handoff + COSTS.fill_latency + (f - 1) * (w / f) / COSTS.sm_stream < gated_end + COSTS.handoff
-    assert r.step_s == pytest.approx(gated_end + COSTS.handoff + COSTS.prologue + w / COSTS.consume["bfloat16"], rel=1e-12)
+    assert f <= WARPS  # one fill per warp, side by side
+    assert r.step_s == pytest.approx(gated_end + COSTS.handoff + COSTS.prologue + (w / f) / WARP_RATE, rel=1e-12)
