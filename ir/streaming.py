@@ -68,7 +68,8 @@ class StreamingError(ValueError):
 def mma_code_row(code_streams: int, copy_rows: int, g: int) -> tuple[int, int]:
     """(code stream, row of the fill) that MMA row g (lane // 4) of an MXFP4 consumer warp reads: with gate and up
     streams, gate row g // 2 (even g) or up row g // 2 (odd g); with one stream, row g // 2 (even g) or copy_rows
-    + g // 2 (odd g: the next copy). A row past the fill's rows re-reads its last row (not stored)."""
+    + g // 2 (odd g: the next copy). A row past the fill's rows re-reads its last row (not stored). The expert
+    templates render this formula; the CPU tests check the load geometry and the MMAs with it."""
     if code_streams == 2:
         return g % 2, g // 2
     return 0, (g % 2) * copy_rows + g // 2
