@@ -19,6 +19,14 @@ from k3mk.runtime import abi
 
 TEMPLATES = Path(__file__).parent / "templates"
 SCRATCH_BYTES = 1024  # the fp32 / int32 reduction scratch beside the op smem, with alignment slack
+BLOCK_SUMS = 8  # CTA-wide sums one reduction round may carry (fp32 scratch of BLOCK_SUMS x warps: 256 B)
+
+
+def group_size(n: int, limit: int) -> int:
+    """The largest divisor of n that is at most max(limit, 1): rows reduced together, in equal groups."""
+    return max(d for d in range(1, max(1, min(n, limit)) + 1) if n % d == 0)
+
+
 
 _ENV = jinja2.Environment(
     loader=jinja2.FileSystemLoader(str(TEMPLATES)),
@@ -28,6 +36,7 @@ _ENV = jinja2.Environment(
     keep_trailing_newline=True,
 )
 _ENV.globals.update(mxfp4_padded=mxfp4_padded, MXFP4_SPAN=MXFP4_SPAN)  # the MXFP4 experts' staged-x geometry
+_ENV.globals.update(BLOCK_SUMS=BLOCK_SUMS, group_size=group_size)
 
 
 def dynamic_smem_bytes(variants: list[OpVariant], config: KernelConfig = KernelConfig()) -> int:

@@ -7,7 +7,8 @@ kernel and the check cannot disagree.
 A fill is one slot's worth of one task's weights: a row group of `rows` rows x one K chunk, of every
 stream of the op (a gemv's weight, the gated gemv's weight and weight_up, an MXFP4 expert's codes and
 scales). A row group is adjacent rows of a row-major [out, in] matrix (or of one expert's block of it),
-so each stream of a fill is ONE bulk copy of contiguous bytes, except an MXFP4 expert's codes: their rows
+so each stream of a fill is ONE bulk copy of contiguous bytes, except a batched gemv's rows that are cut
+into chunks (one copy per row: the rows of a chunk are not adjacent) and an MXFP4 expert's codes: their rows
 are the A rows of the consumer warp's m16n8k16 MMAs (at most MMA_ROWS over all code streams of a fill),
 copied in groups of up to MMA_COPY_ROWS rows placed 64 bytes apart in the banks (`Stream.mma_rows`). A
 task's fills come in a fixed order:
@@ -41,6 +42,7 @@ VECTOR_BYTES = 16  # every copy is a multiple of 16 bytes from a 16-byte aligned
 LANE_ORDER_ELEMENTS = 32 * 8  # bf16: 32 lanes x one 16-byte vector: a lane's stride along a row
 MXFP4_CHUNK_ELEMENTS = 32 * 32  # MXFP4 chunks (a row longer than a slot): 32 whole 32-code groups (8 spans)
 ACCUMULATOR_BUDGET = 16  # fp32 accumulators per lane (rows x batch x gated streams) a fill may need
+CHUNKED_ROWS = 4  # rows of a batched gemv's chunked fill: its copies per stream (fill_plan)
 # MXFP4 expert fills: the code rows of all streams are A rows 0..7 of the consumer's m16n8k16 MMAs (A rows 8..15
 # hold the same rows' other code pairs, codegen/templates/mxfp4_dot.py.j2), MMA row g reading code row mma_code_row
 MMA_ROWS = 8
@@ -106,7 +108,7 @@ class FillPlan:
     op: str
     in_features: int  # K: elements of one full row
     out_features: int  # rows of one expert (the experts' row stride); the gemv's own rows otherwise
-    rows: int  # rows per fill (1 when a row is cut into chunks)
+    rows: int  # rows per fill (1 when a row is cut into chunks, but for a batched gemv's: see fill_plan)
     chunk: int  # elements per chunk (in_features when chunks == 1)
     chunks: int
     streams: tuple[Stream, ...]
@@ -182,6 +184,17 @@ def _mxfp4(codes: tuple[str, ...], scales: tuple[str, ...], in_features: int) ->
     return tuple(Stream(c, 1, 2, mma_rows=True) for c in codes) + tuple(Stream(sc, 1, 32, window=window) for sc in scales)
 
 
+def _chunking(k: int, bytes_per_element: float, room: int, lane_order: int, what: str) -> tuple[int, int]:
+    """(chunk, chunks): the fewest equal chunks of a row (multiples of the lane order) whose elements, at
+    `bytes_per_element` over the fill's rows and streams, fit `room` bytes."""
+    fit = int(room // bytes_per_element) // lane_order * lane_order
+    if fit < lane_order:
+        raise StreamingError(f"{what}: a {room}-byte slot holds no chunk of {lane_order} elements")
+    chunks = -(-k // fit)
+    chunk = -(-k // (chunks * lane_order)) * lane_order
+    return chunk, -(-k // chunk)
+
+
 def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | None:
     """The fill geometry of a variant, or None when the op does not stream its weights (it reads global
     memory in its body: every op but the weight GEMVs and the routed experts)."""
@@ -217,14 +230,16 @@ def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | 
     elif windows:
         raise StreamingError(f"{op}: an MXFP4 row of {k} elements ({row_bytes} B with its scales) does not fit a {slot_bytes}-byte slot")
     else:
-        # one row per fill, cut into the fewest equal chunks (multiples of the lane order) a slot holds
-        per_element = row_bytes / k
-        fit = int((slot_bytes - slack) // per_element) // lane_order * lane_order
-        if fit < lane_order:
-            raise StreamingError(f"{op}: a {slot_bytes}-byte slot holds no chunk of {lane_order} elements of its {len(streams)} stream(s)")
-        chunks = -(-k // fit)
-        chunk = -(-k // (chunks * lane_order)) * lane_order
-        chunks, rows = -(-k // chunk), 1
+        rows, chunk, chunks = 1, *_chunking(k, row_bytes / k, slot_bytes - slack, lane_order, f"{op} ({len(streams)} stream(s))")
+    if op == "gemv" and batch > 1 and rows < min(max_rows, CHUNKED_ROWS):
+        # A batched gemv whose slot holds few whole rows: cut CHUNKED_ROWS rows into chunks instead (one copy
+        # per row and chunk), so each staged x vector a lane unpacks serves more rows (batch 4, K = 7168: 50
+        # instructions per 16-byte weight vector instead of 77); taken when a fill carries no fewer bytes.
+        more = min(max_rows, CHUNKED_ROWS)
+        if more * lane_order * row_bytes // k <= slot_bytes - slack:
+            more_chunk, more_chunks = _chunking(k, row_bytes / k * more, slot_bytes - slack, lane_order, f"{op} ({more} rows)")
+            if more * more_chunk >= rows * chunk:
+                rows, chunk, chunks = more, more_chunk, more_chunks
     plan = FillPlan(op, k, params.out_features, rows, chunk, chunks, streams, batch, top_k)
     for st in streams:
         for c in range(chunks):

@@ -230,23 +230,13 @@ def timer_step(tl: Timeline) -> int | None:
     return min((b - a for a, b in zip(stamps, stamps[1:])), default=None)
 
 
-def summarize(tl: Timeline, slowest: int = 10) -> dict:
-    """Where the step's time goes (module docstring for what each interval holds): the consumers' CTA time
-    by interval, the producers' time and ring waits, per op kind (tasks, totals and means, bytes issued and
-    modelled, bytes / body time), the critical path (Timeline.critical_path: per op kind its tasks' bodies and
-    hand-offs, which add up to the path's span), and event hand-off latency."""
-    t0, t1 = tl.t0, tl.t1
-    wall = t1 - t0
-    lists = tl.lists()
-    cta_time = {name: sum(t.interval(name) for t in tl.times) for name in INTERVALS}
-    cta_time["between"] = sum(tl.times[b].start - tl.times[a].signal for ts in lists.values() for a, b in zip(ts, ts[1:]))
-    cta_time["outside"] = sum((tl.times[ts[0]].start - t0) + (t1 - tl.times[ts[-1]].signal) for ts in lists.values())
-    window = len(lists) * wall
-    producer = {"produce": sum(t.produce for t in tl.times), "ring_wait": sum(t.ring_wait for t in tl.times)}
-    by_op: dict[str, dict] = {}
-    for i, op in enumerate(tl.ops):
-        s = by_op.setdefault(op, {"count": 0, **{f"{name}_ns": 0 for name in INTERVALS}, "produce_ns": 0, "ring_wait_ns": 0,
-                                  "issued_bytes": 0, "weight_bytes": 0, "other_bytes": 0})  # fmt: skip
+def _by_key(tl: Timeline, keys: list[str]) -> dict[str, dict]:
+    """Per key (one per task): tasks, totals and means of each interval, producer time, bytes issued and
+    modelled, bytes / body time; most time (wait + body) first."""
+    groups: dict[str, dict] = {}
+    for i, key in enumerate(keys):
+        s = groups.setdefault(key, {"count": 0, **{f"{name}_ns": 0 for name in INTERVALS}, "produce_ns": 0, "ring_wait_ns": 0,
+                                    "issued_bytes": 0, "weight_bytes": 0, "other_bytes": 0})  # fmt: skip
         t = tl.times[i]
         s["count"] += 1
         for name in INTERVALS:
@@ -257,7 +247,7 @@ def summarize(tl: Timeline, slowest: int = 10) -> dict:
         if tl.weight_bytes is not None:
             s["weight_bytes"] += tl.weight_bytes[i]
             s["other_bytes"] += tl.other_bytes[i]
-    for s in by_op.values():
+    for s in groups.values():
         for name in (*INTERVALS, "produce"):
             s[f"{name}_mean_ns"] = s[f"{name}_ns"] / s["count"]
         streamed = s["issued_bytes"] or s["weight_bytes"]
@@ -265,6 +255,25 @@ def summarize(tl: Timeline, slowest: int = 10) -> dict:
         s["body_GBps"] = moved / s["body_ns"] if (s["issued_bytes"] or tl.weight_bytes is not None) and s["body_ns"] > 0 else None  # bytes / ns = GB/s
         if tl.weight_bytes is None:
             s["weight_bytes"] = s["other_bytes"] = None
+    return dict(sorted(groups.items(), key=lambda kv: -(kv[1]["wait_ns"] + kv[1]["body_ns"])))
+
+
+def summarize(tl: Timeline, slowest: int = 10) -> dict:
+    """Where the step's time goes (module docstring for what each interval holds): the consumers' CTA time
+    by interval, the producers' time and ring waits, per op kind and per variant (tasks, totals and means,
+    bytes issued and modelled, bytes / body time), the critical path (Timeline.critical_path: per op kind its tasks' bodies and
+    hand-offs, which add up to the path's span), and event hand-off latency."""
+    t0, t1 = tl.t0, tl.t1
+    wall = t1 - t0
+    lists = tl.lists()
+    cta_time = {name: sum(t.interval(name) for t in tl.times) for name in INTERVALS}
+    cta_time["between"] = sum(tl.times[b].start - tl.times[a].signal for ts in lists.values() for a, b in zip(ts, ts[1:]))
+    cta_time["outside"] = sum((tl.times[ts[0]].start - t0) + (t1 - tl.times[ts[-1]].signal) for ts in lists.values())
+    window = len(lists) * wall
+    producer = {"produce": sum(t.produce for t in tl.times), "ring_wait": sum(t.ring_wait for t in tl.times)}
+    by_op = _by_key(tl, tl.ops)
+    # the same per variant (an op kind's variants differ in shapes, prologue, epilogue and batch)
+    by_variant = _by_key(tl, [f"{op} #{h.opcode}" for op, h in zip(tl.ops, tl.headers)])
     handoffs = tl.handoffs()
     blocking = [h for h in handoffs if h.blocking]
     latencies = [h.latency for h in blocking]
@@ -292,7 +301,8 @@ def summarize(tl: Timeline, slowest: int = 10) -> dict:
         "cta_time_fraction": {k: (v / window if window else 0.0) for k, v in cta_time.items()},
         "producer_ns": producer,
         "producer_fraction": {k: (v / window if window else 0.0) for k, v in producer.items()},
-        "by_op": dict(sorted(by_op.items(), key=lambda kv: -(kv[1]["wait_ns"] + kv[1]["body_ns"]))),
+        "by_op": by_op,
+        "by_variant": by_variant,
         "critical_path": critical,
         "handoff": {
             "waits": len(handoffs),

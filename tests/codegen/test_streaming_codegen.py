@@ -41,6 +41,9 @@ GEMVS = [
     GemvParams(2304, 9216, 1, rmsnorm=True, epilogue="silu_mul"),
     GemvParams(7168, 2048, 4, rmsnorm=True, epilogue="situ_mul"),
     GemvParams(33792, 7168, 1, residuals=1),
+    GemvParams(7168, 16384, 4),  # batched, chunked fills of 4 rows
+    GemvParams(4096, 2304, 4, residuals=1),
+    GemvParams(9216, 2304, 2, residuals=1),
 ]
 EXPERTS = [
     ("expert_gated", ExpertGatedParams(2304, 1024, 256, 1, 8)),
@@ -77,7 +80,7 @@ def test_fill_plans_fit_their_slot_and_keep_each_lanes_summation_order(slot_byte
         k = v.params.in_features
         assert plan.slot_need <= slot_bytes and plan.rows >= 1, (v, plan)
         assert (plan.chunks - 1) * plan.chunk < k <= plan.chunks * plan.chunk
-        assert plan.chunks == 1 or plan.rows == 1
+        assert plan.chunks == 1 or plan.rows == 1 or (v.op == "gemv" and v.params.batch > 1)  # test below
         for s, st in enumerate(plan.streams):
             assert plan.stream_offset(s) % VECTOR_BYTES == 0
             if not st.window:
@@ -117,6 +120,23 @@ def test_fill_counts_and_owners():
     for plan, rows in ((gemv, 31), (long, 3), (gated, 10), (combine, 20)):
         owners = plan.owners(rows, 8)
         assert len(owners) == plan.task_fills(rows)
+
+
+def test_batched_gemvs_cut_several_rows_into_chunks():
+    """At batch > 1 a gemv whose slot holds fewer than 4 whole rows streams 4 rows (2 when gated at batch 4: the
+    accumulator budget) of one K chunk per fill, when that carries no fewer bytes; batch 1 keeps whole rows."""
+    def geometry(params):
+        plan = fill_plan("gemv", params, 16 * 1024)
+        return plan.rows, plan.chunk, plan.chunks
+
+    assert geometry(GemvParams(7168, 16384, 1)) == (1, 7168, 1)
+    assert geometry(GemvParams(7168, 16384, 4)) == (4, 1792, 4)  # 14 KB fills, as one whole row
+    assert geometry(GemvParams(7168, 2048, 4, epilogue="situ_mul")) == (2, 1792, 4)
+    assert geometry(GemvParams(4096, 2304, 4)) == (4, 2048, 2)  # was 2 whole rows
+    assert geometry(GemvParams(9216, 2304, 4)) == (4, 2048, 5)  # was 1 row in 2 chunks of 9 KB
+    # 3 whole rows of 4.6 KB: 4 rows would need 1280-element chunks, 10 KB fills: kept
+    assert geometry(GemvParams(2304, 4096, 4)) == (3, 2304, 1)
+    assert geometry(GemvParams(7168, 16384, 16)) == (1, 7168, 1)  # one row already fills the accumulators
 
 
 def test_mxfp4_scale_windows():

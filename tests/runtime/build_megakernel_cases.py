@@ -32,6 +32,9 @@ def main(argv: list[str]) -> int:
         key, value = item.split("=")
         knobs[key] = value.lower() == "true" if value.lower() in ("true", "false") else int(value)
     cases = all_cases()
+    unknown = [name for name in args.cases if name not in cases]
+    if unknown:
+        ap.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(cases)}")
     for name in args.cases or cases:
         case = cases[name]
         t0 = time.perf_counter()

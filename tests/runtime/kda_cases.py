@@ -199,6 +199,8 @@ def kda_cases() -> list:
         gated_case("gated_situ_b1", 1, 520, 333, tiles=7, ctas=5, situ=True, norm=True),
         gated_case("gated_silu_b4", 4, 264, 200, tiles=5, ctas=3, situ=False, norm=False),
         gated_case("gated_situ_b4", 4, 1032, 97, tiles=3, ctas=3, situ=True, norm=False),
+        # 2 rows x chunks of 1280 / 1024 per fill (ir/streaming.py fill_plan at batch > 1), a short last group
+        gated_case("gated_silu_b4_chunked", 4, 2304, 45, tiles=2, ctas=2, situ=False, norm=True),
         sigmoid_gate_case("sigmoid_gate_b4", 4, 1032, 257, tiles=9, ctas=4, norm=True),
         sigmoid_gate_case("sigmoid_gate_b1", 1, 136, 96, tiles=2, ctas=2, norm=False),
         residual_case("residual3_b4", 4, 520, 333, residuals=3, tiles=6, ctas=4),

@@ -207,6 +207,8 @@ def all_cases() -> dict[str, Case]:
     cases = [
         gemv_case("gemv_b1", 1, 520, 333, tiles=7, ctas=5, norm=False, residual=False),
         gemv_case("gemv_b4_norm_residual", 4, 1032, 257, tiles=9, ctas=4, norm=True, residual=True),
+        # 4 rows x 4 chunks of 1792 per fill (ir/streaming.py fill_plan at batch > 1), short last groups
+        gemv_case("gemv_b4_norm_chunked", 4, 7168, 70, tiles=3, ctas=2, norm=True, residual=True),
         gemv_case("gemv_b16_norm", 16, 264, 100, tiles=3, ctas=3, norm=True, residual=False),
         rmsnorm_case(),
         embedding_case(),

@@ -103,6 +103,7 @@ def test_summary(tl):
     assert (add["issued_bytes"], add["weight_bytes"], add["other_bytes"]) == (6144, 6144, 300)
     assert add["body_GBps"] == pytest.approx(6444 / 2036)  # issued + other bytes / ns = GB/s
     assert (nop["wait_ns"], nop["body_ns"], nop["body_GBps"]) == (1900, 200, pytest.approx(30 / 200))
+    assert s["by_variant"] == {"add #0": add, "nop #1": nop}  # the fixture's op kinds have one variant each
     assert (s["issued_bytes"], s["weight_bytes"], s["other_bytes"]) == (6144, 6144, 330)
     assert s["step_GBps"] == pytest.approx(6474 / 3100)
     h = s["handoff"]
