@@ -108,7 +108,7 @@ class FillPlan:
     op: str
     in_features: int  # K: elements of one full row
     out_features: int  # rows of one expert (the experts' row stride); the gemv's own rows otherwise
-    rows: int  # rows per fill (1 when a row is cut into chunks, but for a batched gemv's: see fill_plan)
+    rows: int  # rows per fill (1 when a row is cut into chunks, except a batched gemv's chunked groups: fill_plan)
     chunk: int  # elements per chunk (in_features when chunks == 1)
     chunks: int
     streams: tuple[Stream, ...]
@@ -233,8 +233,9 @@ def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | 
         rows, chunk, chunks = 1, *_chunking(k, row_bytes / k, slot_bytes - slack, lane_order, f"{op} ({len(streams)} stream(s))")
     if op == "gemv" and batch > 1 and rows < min(max_rows, CHUNKED_ROWS):
         # A batched gemv whose slot holds few whole rows: cut CHUNKED_ROWS rows into chunks instead (one copy
-        # per row and chunk), so each staged x vector a lane unpacks serves more rows (batch 4, K = 7168: 50
-        # instructions per 16-byte weight vector instead of 77); taken when a fill carries no fewer bytes.
+        # per row and chunk), so each x vector a lane loads and unpacks serves more rows; taken when a fill
+        # carries no fewer bytes. Measured (BENCHMARKS.md, 2026-12-02 late evening): -10% where x is read from
+        # the arena (wide inputs), +1% on a GEMV whose x is staged; K3 proxy b4 -4.8%.
         more = min(max_rows, CHUNKED_ROWS)
         if more * lane_order * row_bytes // k <= slot_bytes - slack:
             more_chunk, more_chunks = _chunking(k, row_bytes / k * more, slot_bytes - slack, lane_order, f"{op} ({more} rows)")
