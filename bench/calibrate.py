@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from k3mk.ir.replay import EngineCosts, Replay, replay
+from k3mk.ir.replay import EngineCosts, Replay, mla_chunk_rows, replay
 from k3mk.ir.streaming import RingModel, fill_plan
 from k3mk.ir.task_table import TaskTable
 
@@ -70,8 +70,8 @@ class Build:
             i += len(ts)
         return Build(table, ring, task_bytes)
 
-    def replay(self, costs: EngineCosts) -> Replay:
-        return replay(self.table, self.task_bytes, self.ring, costs)
+    def replay(self, costs: EngineCosts, context: int | None = None) -> Replay:
+        return replay(self.table, self.task_bytes, self.ring, costs, context)
 
 
 def _line_fit(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
@@ -88,13 +88,17 @@ def _line_fit(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
     return (max(b, 0.0), m)
 
 
-def fit(build: Build, records: np.ndarray, fields: list[str], sm_stream: float, landed_s: float, base: EngineCosts) -> tuple[EngineCosts, dict]:
-    """The constants of `build`'s recorded step (module docstring); `base` supplies fill_latency's start
-    and any constant the records cannot give (an op kind with too few tasks)."""
+def fit(build: Build, records: np.ndarray, fields: list[str], sm_stream: float, landed_s: float, base: EngineCosts,
+        context: int | None = None) -> tuple[EngineCosts, dict]:
+    """The constants of `build`'s recorded step (module docstring), recorded with every request at `context`
+    tokens (default: the max context); `base` supplies fill_latency's start, the MLA decode's per-(row, head)
+    time (its fixed part is fitted after that is taken off) and any constant the records cannot give (an op
+    kind with too few tasks)."""
     col = {name: records[:, fields.index(name)].astype(float) * 1e-9 for name in
            ("start", "wait_done", "body_end", "produce_start", "produce_end", "ring_wait")}  # fmt: skip
     table = build.table
     plans = [fill_plan(v.op, v.params, build.ring.slot_bytes) for v in table.variants]
+    chunk_rows = [mla_chunk_rows(v.params, context or v.params.max_len) if v.op == "mla_decode" else [] for v in table.variants]
     flat = [(s, k, t) for s, ts in enumerate(table.lists) for k, t in enumerate(ts)]
     task_bytes = [b for bs in build.task_bytes for b in bs]
     index = {(s, k): i for i, (s, k, _) in enumerate(flat)}
@@ -117,6 +121,8 @@ def fit(build: Build, records: np.ndarray, fields: list[str], sm_stream: float, 
             gaps.append(col["start"][i] - col["body_end"][index[(s, k - 1)]])
         plan = plans[t.opcode]
         if plan is None:
+            if chunk_rows[t.opcode]:
+                body -= chunk_rows[t.opcode][t.operands.get("chunk", 0)] * t.operands.get("head_count", 0) * base.mla_head_row
             xs, ys = direct.setdefault(v.op, ([], []))
             xs.append(nbytes)
             ys.append(body)
@@ -153,7 +159,7 @@ def fit(build: Build, records: np.ndarray, fields: list[str], sm_stream: float, 
         prologue=statistics.median(prologues) if prologues else base.prologue,
     )
     wall = col["body_end"].max() - col["start"].min()
-    best = min(FILL_LATENCIES, key=lambda lat: abs(build.replay(replace(costs, fill_latency=lat)).step_s - wall))
+    best = min(FILL_LATENCIES, key=lambda lat: abs(build.replay(replace(costs, fill_latency=lat), context).step_s - wall))
     costs = replace(costs, fill_latency=best)
     report = {"recorded_step_s": wall, "handoffs": len(handoffs), "gaps": len(gaps), "issue_samples": len(issue),
               "direct_samples": {op: len(xs) for op, (xs, _) in direct.items()},
@@ -181,8 +187,10 @@ def main() -> int:
     if len(records) != build.table.num_tasks:
         print(f"error: {args.timeline}/records.pt holds {len(records)} tasks, {args.artifact} has {build.table.num_tasks}", file=sys.stderr)
         return 2
-    costs, report = fit(build, records, rec["fields"], args.copy_tbps * 1e12 / len(build.table.lists), args.landed_us * 1e-6, H200_2026_12_02)
-    own = build.replay(costs)
+    context = int(rec["positions"][0]) + 1 if "positions" in rec else None  # the recorded step's context
+    sm_stream = args.copy_tbps * 1e12 / len(build.table.lists)
+    costs, report = fit(build, records, rec["fields"], sm_stream, args.landed_us * 1e-6, H200_2026_12_02, context)
+    own = build.replay(costs, context)
     summary = json.loads((args.timeline / "summary.json").read_text())["steps"][0]
     measured_shares = summary["cta_time_fraction"]
     out = {"costs": costs.to_json(), "fit": report,
@@ -197,7 +205,7 @@ def main() -> int:
           f"{ {k: round(v, 3) for k, v in own.shares().items()} } recorded {p['recorded_shares']}")  # fmt: skip
     for item in args.replay:
         path, _, measured = item.partition("=")
-        predicted = Build.load(Path(path)).replay(costs).step_s * 1e6
+        predicted = Build.load(Path(path)).replay(costs, context).step_s * 1e6
         row = {"artifact": path, "predicted_us": predicted, "measured_us": float(measured) if measured else None}
         out["predictions"].append(row)
         err = f" ({predicted / row['measured_us'] - 1:+.1%})" if row["measured_us"] else ""

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import hashlib
 import json
@@ -255,6 +256,23 @@ def check_reference(bench: Bench, config, reference, baseline, batch: int) -> No
         bench.fail(f"{config.name} b{batch}: baseline tokens differ from the reference at clear steps")
 
 
+@functools.lru_cache(maxsize=4)
+def _build(artifact: Path):
+    from k3mk.bench.calibrate import Build
+
+    return Build.load(artifact)
+
+
+def predicted_us(artifact: Path, context: int) -> float | None:
+    """The replay of the build at the cell's context (ir/replay.py, the compiler's constants; the MLA chunks as
+    long as the run makes them), or None for an artifact built before every build wrote its task bytes."""
+    from k3mk.ir.replay import H200_2026_12_02
+
+    if not (artifact / "task_bytes.json").exists():
+        return None
+    return _build(artifact).replay(H200_2026_12_02, context).step_s * 1e6
+
+
 def run_cell(bench: Bench, config, baseline, model, artifact: tuple[int, Path] | None, batch: int, context: int, bandwidth: float) -> dict:
     """One (model, batch, context): states, the megakernel-vs-baseline token check, graphs, timing, roofline."""
     from k3mk.bench.megakernel_framework import graph_of
@@ -319,9 +337,7 @@ def run_cell(bench: Bench, config, baseline, model, artifact: tuple[int, Path] |
         row[f"{name}_median_us"], row[f"{name}_p90_us"], row[f"{name}_fraction_of_roofline"] = med, p90, roofline_us / med
     if model is not None:
         row["speedup"] = row["baseline_median_us"] / row["megakernel_median_us"]
-        # the compiler's replay of this build (ir/replay.py; its max-context chunk bytes, so it errs slow below it)
-        predicted = model.mk.manifest.data.get("predicted_step_s")
-        row["megakernel_predicted_us"] = predicted * 1e6 if predicted is not None else None
+        row["megakernel_predicted_us"] = predicted_us(artifact[1], context)
     mk = f"megakernel {row['megakernel_median_us']:.0f} us ({row['megakernel_fraction_of_roofline']:.0%}), " if model is not None else ""
     if row.get("megakernel_predicted_us"):
         mk += f"predicted {row['megakernel_predicted_us']:.0f} us, "

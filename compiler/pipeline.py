@@ -155,7 +155,8 @@ def summary(result: CompileResult, replayed=None) -> str:
     replayed = replayed or replayed_step(result.output, t)
     if replayed is not None:
         sh = replayed.shares()
-        lines.append(f"predicted step time (streaming replay, ir/replay.py {REPLAY_COSTS_NAME}): {replayed.step_s * 1e6:.1f} us "
+        lines.append(f"predicted step time (streaming replay, ir/replay.py {REPLAY_COSTS_NAME}, every request at the max context): "
+                     f"{replayed.step_s * 1e6:.1f} us "
                      f"(consumers waiting {sh['consumer_wait']:.0%}, in bodies {sh['body']:.0%}; producers blocked on a full ring {sh['producer_blocked']:.0%})")  # fmt: skip
     lines.append(_roofline(result.sharded, t))
     return "\n".join(lines) + "\n"

@@ -12,17 +12,18 @@ Per CTA two processes, as in the kernel and in the ring-aware deadlock check (ir
   (input staging), then each fill's consumer warp (ir/streaming.py FillPlan.owners) takes it no earlier than
   it landed and `fill bytes / (consume rate / warps)` after that warp's previous fill, and the body ends
   with its last warp (the CTA barrier before the release); any other op reads what it reads straight from memory (a fixed
-  time plus its bytes at a per-op rate), and signals; taking the next record costs the CTA
-  `task_overhead`. The step ends with the last body (the profile's wall: first start to last body_end).
+  time plus its bytes at a per-op rate; an MLA decode task also `mla_head_row` per KV row and head of its
+  chunk at the step's context, the chunk's run-time length: ir/fused.py kv_chunk_bounds), and signals;
+  taking the next record costs the CTA `task_overhead`. The step ends with the last body (the profile's
+  wall: first start to last body_end).
 
 What it leaves out: HBM shared unevenly (an SM streaming alone gets more than its share: the model errs
-slow when few SMs stream), L2 hits, the MLA chunk's run-time length (a chunk's bytes are its
-max-context bytes, so contexts below the artifact's max are overstated), the KDA state's L2 prefetch.
+slow when few SMs stream), L2 hits, the KDA state's L2 prefetch.
 
 Every constant is a measurement: `H200_2026_12_02` says which. The replay runs in an order the events
-allow (ir/table_exec.py table_order), so each task's inputs are known when it is timed. Pure Python over
-the table and per-task byte counts (the compiler's: `compiler/pipeline.py` passes them), like the
-deadlock check.
+allow (ir/table_exec.py table_order), so each task's inputs are known when it is timed. Python over the
+table and per-task byte counts (the compiler's: `compiler/pipeline.py` passes them), like the deadlock
+check; `bench/decode_bench.py` replays each cell at its context.
 """
 
 from __future__ import annotations
@@ -31,9 +32,12 @@ from dataclasses import dataclass, field, fields
 
 from typing import Sequence
 
+import torch
+
+from k3mk.ir.fused import kv_chunk_bounds
 from k3mk.ir.streaming import RingModel, fill_plan
 from k3mk.ir.table_exec import table_order
-from k3mk.ir.task_table import TaskTable
+from k3mk.ir.task_table import MlaDecodeParams, TaskTable
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ class EngineCosts:
     prologue: float  # s a streaming op spends before its first fill (input staged, norm statistics)
     direct: dict[str, tuple[float, float]] = field(default_factory=dict)  # other op: (fixed s, bytes/s of what it reads / writes)
     direct_default: tuple[float, float] = (1.0e-6, 20e9)
+    mla_head_row: float = 0.0  # s an mla_decode task spends per KV row of its chunk and per head (module docstring)
 
     def direct_time(self, op: str, nbytes: int) -> float:
         fixed, rate = self.direct.get(op, self.direct_default)
@@ -84,7 +89,9 @@ H200_2026_12_02 = EngineCosts(
         "kda_recurrence": (1.0e-6, 23e9),
         # the others: the b1 fit, a fixed time per task (their bytes did not fit a rate at one batch)
         "kda_conv": (4.77e-6, 1e15),
-        "mla_decode": (1.91e-6, 1e15),
+        # mla_decode: Kimi Linear b4 timelines of 576f448 at positions 1,006 and 8,106 (BENCHMARKS.md, 2026-12-02 late
+        # evening): 37.9 / 242.9 ms of bodies over 3,696 tasks and 0.90M / 7.26M (KV row, head) pairs
+        "mla_decode": (2.4e-6, 1e15),
         "mla_q_absorb": (5.72e-6, 1e15),
         "mla_v_up": (9.30e-6, 1e15),
         "mla_latent": (2.62e-6, 1e15),
@@ -92,6 +99,7 @@ H200_2026_12_02 = EngineCosts(
         "router_topk": (5.84e-6, 1e15),
         "nop": (0.95e-6, 1e15),
     },
+    mla_head_row=32.2e-9,  # the same two timelines' per-(row, head) term
 )
 
 
@@ -115,13 +123,24 @@ class Replay:
                 "producer_blocked": self.producer_blocked_s / total}  # fmt: skip
 
 
-def replay(table: TaskTable, task_bytes: Sequence[Sequence[tuple[int, int]]], ring: RingModel, costs: EngineCosts) -> Replay:
+def mla_chunk_rows(params: MlaDecodeParams, context: int) -> list[int]:
+    """KV rows of each chunk of an mla_decode variant when a request's context is `context` tokens (its
+    position + 1): ir/fused.py kv_chunk_bounds, the split the kernel makes at run time."""
+    start, end = kv_chunk_bounds(torch.tensor([context - 1]), params.num_chunks, params.min_chunk_rows)
+    return (end - start)[0].tolist()
+
+
+def replay(
+    table: TaskTable, task_bytes: Sequence[Sequence[tuple[int, int]]], ring: RingModel, costs: EngineCosts, context: int | None = None
+) -> Replay:
     """Time one step of `table` on a kernel with ring `ring`; `task_bytes[s][i]` = (weights streamed,
-    other bytes read or written) of task i of list s."""
+    other bytes read or written) of task i of list s; every request at `context` tokens (default: the
+    MLA caches' length, the artifact's max context)."""
     n = len(table.lists)
     if [len(b) for b in task_bytes] != [len(ts) for ts in table.lists]:
         raise ValueError("task_bytes needs one (weight, other) pair per task of every list")
     plans = [fill_plan(v.op, v.params, ring.slot_bytes) for v in table.variants]
+    chunk_rows = [mla_chunk_rows(v.params, context or v.params.max_len) if v.op == "mla_decode" else [] for v in table.variants]
     event_done = [0.0] * len(table.events)
     # per CTA: the consumers' end of each task so far, the producer's clock, each fill's land / release time
     ends: list[list[float]] = [[] for _ in range(n)]
@@ -169,6 +188,8 @@ def replay(table: TaskTable, task_bytes: Sequence[Sequence[tuple[int, int]]], ri
             end = max(warp_free)
         else:
             end = ready + costs.direct_time(variant.op, weight_bytes + other_bytes)
+            if chunk_rows[task.opcode]:
+                end += chunk_rows[task.opcode][task.operands.get("chunk", 0)] * task.operands.get("head_count", 0) * costs.mla_head_row
         producer[s] = p
         times[s][k] = (start, ready, end, produce_start, p, blocked_s - blocked_before)
         body_s += end - ready

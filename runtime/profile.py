@@ -328,6 +328,23 @@ def _us(ns: float | None) -> str:
     return "-" if ns is None else f"{ns / 1e3:.2f}"
 
 
+VARIANT_ROWS = 20  # variants format_summary lists (most wait + body first; summary.json has them all)
+
+
+def _group_table(title: str, groups) -> list[str]:
+    """Lines of summarize()'s per-group figures (by_op or by_variant items), a blank line first."""
+    lines = ["", f"{title:20s} {'tasks':>6s} {'wait us':>10s} {'wait mean':>10s} {'body us':>10s} {'body mean':>10s} "
+                 f"{'ring wait us':>12s} {'issued MB':>9s} {'model MB':>9s} {'body GB/s':>9s}"]  # fmt: skip
+    for name, o in groups:
+        model = "-" if o["weight_bytes"] is None else f"{(o['weight_bytes'] + o['other_bytes']) / 1e6:.2f}"
+        gbps = "-" if o["body_GBps"] is None else f"{o['body_GBps']:.1f}"
+        lines.append(
+            f"{name:20s} {o['count']:6d} {_us(o['wait_ns']):>10s} {_us(o['wait_mean_ns']):>10s} {_us(o['body_ns']):>10s} "
+            f"{_us(o['body_mean_ns']):>10s} {_us(o['ring_wait_ns']):>12s} {o['issued_bytes'] / 1e6:9.2f} {model:>9s} {gbps:>9s}"
+        )
+    return lines
+
+
 def format_summary(s: dict) -> str:
     """summarize()'s dict as text."""
     frac, pfrac = s["cta_time_fraction"], s["producer_fraction"]
@@ -339,17 +356,9 @@ def format_summary(s: dict) -> str:
         + " (wait = blocked on events)",
         f"producer time: producing {pfrac['produce'] * 100:.1f}%, of which blocked on a full ring {pfrac['ring_wait'] * 100:.1f}% "
         f"of CTA time; issued {s['issued_bytes'] / 1e6:.2f} MB",
-        "",
-        f"{'op kind':16s} {'tasks':>6s} {'wait us':>10s} {'wait mean':>10s} {'body us':>10s} {'body mean':>10s} "
-        f"{'ring wait us':>12s} {'issued MB':>9s} {'model MB':>9s} {'body GB/s':>9s}",
     ]
-    for op, o in s["by_op"].items():
-        model = "-" if o["weight_bytes"] is None else f"{(o['weight_bytes'] + o['other_bytes']) / 1e6:.2f}"
-        gbps = "-" if o["body_GBps"] is None else f"{o['body_GBps']:.1f}"
-        lines.append(
-            f"{op:16s} {o['count']:6d} {_us(o['wait_ns']):>10s} {_us(o['wait_mean_ns']):>10s} {_us(o['body_ns']):>10s} "
-            f"{_us(o['body_mean_ns']):>10s} {_us(o['ring_wait_ns']):>12s} {o['issued_bytes'] / 1e6:9.2f} {model:>9s} {gbps:>9s}"
-        )
+    lines += _group_table("op kind", s["by_op"].items())
+    lines += _group_table("op #variant", list(s["by_variant"].items())[:VARIANT_ROWS])
     c = s["critical_path"]
     lines += ["", f"critical path ({c['tasks']} tasks, {_us(c['span_ns'])} us): bodies and hand-offs (predecessor's signal -> wait done) per op kind:"]
     for op, o in c["by_op"].items():

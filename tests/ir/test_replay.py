@@ -9,9 +9,10 @@ import dataclasses
 
 import pytest
 
-from k3mk.ir.replay import H200_2026_12_02, EngineCosts, replay
+from k3mk.ir.replay import H200_2026_12_02, EngineCosts, mla_chunk_rows, replay
 from k3mk.ir.streaming import RingModel, fill_plan
-from k3mk.ir.task_table import Event, ExpertGatedParams, GemvParams, NopParams, OpVariant, RouterTopkParams, Task, TaskTable, WeightSpec
+from k3mk.ir.task_table import (Event, ExpertGatedParams, GemvParams, MlaDecodeParams, NopParams, OpVariant, RouterTopkParams, Task, TaskTable,
+                                WeightSpec)  # fmt: skip
 
 GEMV = OpVariant("gemv", GemvParams(64, 1024, 1))
 EXPERT = OpVariant("expert_gated", ExpertGatedParams(64, 1024, 4, 1, 2))
@@ -123,3 +124,22 @@ def test_a_combines_weights_stream_while_the_stage_it_waits_for_runs():
     assert router_end + COSTS.handoff + COSTS.fill_latency + (f - 1) * (w / f) / COSTS.sm_stream < gated_end + COSTS.handoff
     assert f <= WARPS  # one fill per warp, side by side
     assert r.step_s == pytest.approx(gated_end + COSTS.handoff + COSTS.prologue + (w / f) / WARP_RATE, rel=1e-12)
+
+
+def test_an_mla_decode_task_costs_its_chunk_rows_at_the_context():
+    """A chunk of L = max(ceil(n / chunks), min rows) rows, clipped to the n tokens of the context: at n = 10 over 4
+    chunks of at least 8 rows, chunk 0 has 8 rows and chunk 1 the other 2; at n = 100 every chunk has 25. The task
+    costs its fixed time plus mla_head_row per (row, head); without a context, the cache's length (max_len)."""
+    params = MlaDecodeParams(num_heads=4, kv_lora_rank=64, rope_dim=32, max_len=128, batch=1, num_chunks=4, min_chunk_rows=8, scale=0.1)
+    assert mla_chunk_rows(params, 10) == [8, 2, 0, 0] and mla_chunk_rows(params, 100) == [25, 25, 25, 25]
+    assert mla_chunk_rows(params, 128) == [32, 32, 32, 32]
+    costs = dataclasses.replace(COSTS, direct={"mla_decode": (1e-6, 1e15)}, mla_head_row=1e-8)
+    table = TaskTable([OpVariant("mla_decode", params)], [[Task(0, {"chunk": 1, "head_count": 3}, (), None, "d")]], [], arena_bytes=4096)
+
+    def step(context):
+        return replay(table, [[(0, 0)]], RingModel(4, 4, WARPS), costs, context).step_s
+
+    assert step(10) == pytest.approx(1e-6 + 2 * 3 * 1e-8, rel=1e-12)
+    assert step(100) == pytest.approx(1e-6 + 25 * 3 * 1e-8, rel=1e-12)
+    assert step(None) == pytest.approx(1e-6 + 32 * 3 * 1e-8, rel=1e-12)
+    assert H200_2026_12_02.mla_head_row > 0

@@ -115,6 +115,7 @@ def test_summary(tl):
     assert c["by_op"] == {"add": {"count": 2, "body_ns": 2036, "handoff_ns": 564}, "nop": {"count": 1, "body_ns": 100, "handoff_ns": 400}}
     text = format_summary(s)
     assert "critical path (3 tasks, 3.10 us)" in text and "add                   2 tasks  body       2.04 us" in text
+    assert "op #variant" in text and "\nadd #0                    2" in text and "\nnop #1                    2" in text
     assert "wall 3.10 us" in text and "median 0.40 us, p90 0.50 us" in text
     assert "0.50 us  a_done: CTA 0 A -> CTA 1 C" in text
     assert "blocked on a full ring 9.7%" in text and "wait 55.9%" in text
