@@ -49,6 +49,11 @@ STATUS_TIMED_OUT = 1  # this CTA's wait exceeded watchdog_us
 STATUS_ABORTED = 2  # this CTA stopped because another's watchdog fired
 STATUS_RING_TIMED_OUT = 3  # a wait of this CTA's streaming ring (a fill, a free slot, a record) exceeded watchdog_us
 
+# MXFP4 experts: the largest UE8M0 scale byte the decode takes (2^9): it applies a group's scale as one bf16
+# multiply by 2^(s - 9) (codegen/templates/mxfp4_dot.py.j2), which is not a bf16 past s = 136
+MXFP4_MAX_SCALE = 136
+MXFP4_SCALE_SUFFIX = ".weight_scale"  # the canonical names of MXFP4 scale tensors (compiler/weights.py)
+
 # Profile builds (KernelConfig.profile): the SAME parameters, but the `debug` buffer continues after the
 # watchdog records with PROFILE_RING_STEPS slots of int64[num_tasks][PROFILE_WORDS], one record per task
 # indexed by its global task index (list offset + position); step e writes slot (e - 1) % PROFILE_RING_STEPS.
@@ -57,11 +62,6 @@ STATUS_RING_TIMED_OUT = 3  # a wait of this CTA's streaming ring (a fill, a free
 # step, last. The producer warp's lane 0 writes: when it began the task (before forwarding its record),
 # when it had issued the task's fills, the ns it waited for free ring slots meanwhile, and the bytes its
 # bulk copies brought (what the producer actually issued, not the cost model's count).
-# MXFP4 experts: the largest UE8M0 scale byte the decode takes (2^9): it applies a group's scale as one bf16
-# multiply by 2^(s - 9) (codegen/templates/mxfp4_dot.py.j2), which is not a bf16 past s = 136
-MXFP4_MAX_SCALE = 136
-MXFP4_SCALE_SUFFIX = ".weight_scale"  # the canonical names of MXFP4 scale tensors (compiler/weights.py)
-
 PROFILE_WORDS = 9
 PROFILE_FIELDS = ("start", "wait_done", "body_end", "smid", "epoch", "produce_start", "produce_end", "ring_wait", "issued_bytes")
 PROFILE_RING_STEPS = 4
