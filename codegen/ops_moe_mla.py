@@ -24,8 +24,9 @@ THREADS = 256  # the templates' mapping assumes KernelConfig().threads (checked 
 MXFP4_GROUP = 32  # inputs per UE8M0 scale = one 16-byte load of packed codes
 WEIGHT_FORMATS = ("bfloat16", "mxfp4")
 MAX_TOP_K = 32
-MLA_BLOCK_ROWS = 32  # KV rows staged per block in mla_decode (one per lane)
-MAX_GROUP_HEADS = 32
+MLA_BLOCK_ROWS = 16  # KV rows staged per block in mla_decode (two n-tiles of its score MMAs)
+MAX_GROUP_HEADS = 16  # heads of one mla_decode task: the M = 16 rows of its score MMAs
+MMA_K = 16  # k per bf16 mma.sync (m16n8k16)
 
 
 def _a16(n: int) -> int:
@@ -136,15 +137,20 @@ def _check_mla_q_absorb(p: MlaQAbsorbParams) -> None:
 
 
 def decode_layout(p: MlaDecodeParams) -> dict:
-    """sQ bf16 [group_heads, C] | sK bf16 [32 rows, C + 8] (the pad makes the per-lane row reads conflict-free)."""
+    """Two stages of MLA_BLOCK_ROWS KV rows, bf16 [rows, C + 8] each (the pad makes the fragment loads
+    conflict-free) | the scores' k-part partial sums, fp32 [k-parts, heads (8 or 16), rows + 8]."""
     c = p.kv_lora_rank + p.rope_dim
-    k_off = _a16(p.group_heads * c * 2)
-    return {"C": c, "SK": c + 8, "K_OFF": k_off, "total": k_off + MLA_BLOCK_ROWS * (c + 8) * 2, "NB": MLA_BLOCK_ROWS}
+    stages = 2 * MLA_BLOCK_ROWS * (c + 8) * 2
+    head_rows = 8 if p.group_heads <= 8 else 16
+    scores = (THREADS // 32 // 2) * head_rows * (MLA_BLOCK_ROWS + 8) * 4
+    return {"C": c, "SK": c + 8, "S_OFF": stages, "total": stages + scores, "NB": MLA_BLOCK_ROWS}
 
 
 def _check_mla_decode(p: MlaDecodeParams) -> None:
     _check_batch(p.batch)
     _check_mla_dims("mla_decode", p.kv_lora_rank, p.rope_dim)
+    c = p.kv_lora_rank + p.rope_dim
+    _require(c % MMA_K == 0, f"mla_decode: kv_lora_rank + rope = {c} must be a multiple of {MMA_K} (the scores' MMA k-steps)")
     _require(1 <= p.group_heads <= MAX_GROUP_HEADS, f"mla_decode group_heads {p.group_heads} outside [1, {MAX_GROUP_HEADS}]")
     _require(p.num_chunks >= 1 and p.min_chunk_rows >= 1, "mla_decode needs num_chunks, min_chunk_rows >= 1")
     _require(decode_layout(p)["total"] <= X_SMEM_BUDGET, f"mla_decode smem {decode_layout(p)['total']} B > {X_SMEM_BUDGET} B")

@@ -373,7 +373,7 @@ def _mla_absorbed_heads(ctx: Context, node: Node) -> list[Task]:
     return tasks
 
 
-MLA_DECODE_GROUP_HEADS = 8  # heads one mla_decode task holds at most (its sQ is fp32 [8, rank+rope] in smem)
+MLA_DECODE_GROUP_HEADS = 8  # heads one mla_decode task holds (codegen/ops_moe_mla.py MAX_GROUP_HEADS: at most 16)
 
 
 def mla_decode_head_groups(heads: int) -> list[tuple[int, int]]:

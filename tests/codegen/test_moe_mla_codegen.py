@@ -61,7 +61,8 @@ def test_router_is_one_task_and_experts_wait_on_it():
         (OpVariant("expert_gated", ExpertGatedParams(64, 16, 4, 1, 2, weight_format="fp8")), "weight_format"),
         (OpVariant("expert_combine", ExpertCombineParams(12288, 64, 32, 1, 32)), "expert_combine smem"),  # 8 warps x 12288 x 2 B of staged input
         (OpVariant("mla_latent", MlaLatentParams(500, 64, 16, 1)), "multiples of 8"),
-        (OpVariant("mla_decode", MlaDecodeParams(8, 512, 64, 16, 1, 4, 16, 0.1, group_heads=64)), "group_heads 64"),
+        (OpVariant("mla_decode", MlaDecodeParams(8, 512, 64, 16, 1, 4, 16, 0.1, group_heads=17)), "group_heads 17"),
+        (OpVariant("mla_decode", MlaDecodeParams(8, 512, 8, 16, 1, 4, 16, 0.1)), "520 must be a multiple of 16"),
         (OpVariant("mla_q_absorb", MlaQAbsorbParams(4, 128, 64, 128, 4096, 1)), "kv_lora_rank 4096"),
         (OpVariant("mla_v_up", MlaVUpParams(4, 128, 128, 512, 1, 100)), "num_chunks 100"),
     ],
@@ -131,7 +132,9 @@ def test_mla_decode_path_compiles(cache):
     table = all_cases()["mla_k3dims_b1"].builder.table()
     assert [v.op for v in table.variants] == ["mla_latent", "mla_q_absorb", "mla_decode", "mla_v_up"]
     ptx, _ = _compile(table.variants)
-    assert "shfl.sync.idx" in ptx  # probabilities broadcast from the lane that scored the row
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx  # mla_decode's scores (and q absorb's none)
+    assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in ptx and "cvt.rna.tf32.f32" in ptx  # its p . V
+    assert "cp.async.cg.shared.global" in ptx  # its staged blocks
     assert "ld.shared.v4" in ptx and "st.global.v4" in ptx
 
 
