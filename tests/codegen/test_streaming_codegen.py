@@ -225,7 +225,7 @@ def test_wide_input_does_not_take_the_ring():
     combine = OpVariant("expert_combine", ExpertCombineParams(3072, 7168, 896, 1, 16))  # K3: 8 warps' inputs, 51 KB
     k3_down = OpVariant("gemv", GemvParams(33792, 7168, 1, residuals=1))  # 66 KB of x
     assert not gemv_tuning(k3_down.params, KernelConfig(), x_staging_limit([combine, mla, k3_down])).x_smem
-    wide_mla = OpVariant("mla_decode", MlaDecodeParams(32, 512, 64, 8192, 1, 64, 128, 0.1, group_heads=32))  # 74 KB
+    wide_mla = OpVariant("mla_decode", MlaDecodeParams(32, 2048, 64, 8192, 1, 64, 128, 0.1, group_heads=16))  # 142 KB
     assert gemv_tuning(k3_down.params, KernelConfig(), x_staging_limit([wide_mla, k3_down])).x_smem
 
 
