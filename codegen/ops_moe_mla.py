@@ -8,7 +8,7 @@ the same offsets from the params with the same formulas (keep the two in step).
 from __future__ import annotations
 
 from k3mk.codegen.ops import VECTOR_ELEMENTS, X_SMEM_BUDGET, CodegenError, OpCodegen, _check_batch, _require
-from k3mk.ir.streaming import ACCUMULATOR_BUDGET, mxfp4_padded
+from k3mk.ir.streaming import ACCUMULATOR_BUDGET, COMBINE_BATCH_ROWS, mxfp4_padded
 from k3mk.ir.task_table import (
     ExpertCombineParams,
     ExpertGatedParams,
@@ -95,9 +95,6 @@ def _check_expert_combine(p: ExpertCombineParams) -> None:
     _check_weight_format("expert_combine", p.weight_format, p.in_features)
     _require(1 <= p.top_k <= p.num_experts, f"expert_combine top_k {p.top_k} outside [1, {p.num_experts}]")
     _require(_expert_combine_smem(p) <= X_SMEM_BUDGET, f"expert_combine smem {_expert_combine_smem(p)} B > {X_SMEM_BUDGET} B")
-
-
-COMBINE_BATCH_ROWS = 32  # rows of a task whose slot terms wait in smem for the slot-order sum (expert_combine.py.j2)
 
 
 def _expert_combine_smem(p: ExpertCombineParams) -> int:

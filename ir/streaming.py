@@ -11,15 +11,17 @@ so each stream of a fill is ONE bulk copy of contiguous bytes, except a batched 
 into chunks (one copy per row: the rows of a chunk are not adjacent) and an MXFP4 expert's codes: their rows
 are the A rows of the consumer warp's m16n8k16 MMAs (at most MMA_ROWS over all code streams of a fill),
 copied in groups of up to MMA_COPY_ROWS rows placed 64 bytes apart in the banks (`Stream.mma_rows`). A
-task's fills come in a fixed order:
+task's fills come in a fixed order, in rounds of at most `warps` units that belong to distinct consumer warps,
+each round chunk-major (`chunk_major`: chunk c of every unit of the round, then chunk c + 1), so that the few
+fills a ring holds are every warp's work, not all the chunks of one or two warps' rows:
 
-  gemv            for g in groups: for c in chunks
-  expert_gated    for b in batch: for g in groups: for c in chunks                 (expert ids[b, slot])
-  expert_combine  for b in batch: for g in groups: for j in top_k: for c in chunks (expert ids[b, j])
+  gemv            units = row groups g, warp g % warps
+  expert_gated    units = (b, g) request-major, warp (b * groups + g) % warps          (expert ids[b, slot])
+  expert_combine  for b in batch: for batches of COMBINE_BATCH_ROWS rows of row groups: for rounds of `warps`
+                  slots: for g in the batch: the round's slots j are the units, warp j % warps (expert ids[b, j];
+                  its requests and row-group batches run one after another, a barrier between them)
 
-and fill (b, g, ...) belongs to consumer warp (b * groups + g) % warps, or, in expert_combine (whose
-requests and row groups run one after another, a barrier between them), slot j's to warp j % warps. A warp
-consumes its fills in order and releases each one before it reaches any CTA barrier; that, and a
+A warp consumes its fills in order and releases each one before it reaches any CTA barrier; that, and a
 producer that waits only for an event complete before its task's consumers may start (a routed expert's
 router: every event the task waits on comes after it), is why the ring cannot deadlock (check_ring
 executes it; the argument is in TaskTable.check_deadlock_free).
@@ -41,6 +43,7 @@ SLOT_BYTES = 16 * 1024  # default slot size (codegen/ops.py KernelConfig.slot_by
 VECTOR_BYTES = 16  # every copy is a multiple of 16 bytes from a 16-byte aligned address
 LANE_ORDER_ELEMENTS = 32 * 8  # bf16: 32 lanes x one 16-byte vector: a lane's stride along a row
 MXFP4_CHUNK_ELEMENTS = 32 * 32  # MXFP4 chunks (a row longer than a slot): 32 whole 32-code groups (8 spans)
+COMBINE_BATCH_ROWS = 32  # expert_combine: rows whose slot terms wait in smem for the slot-order sum, a batch at a time
 ACCUMULATOR_BUDGET = 16  # fp32 accumulators per lane (rows x batch x gated streams) a fill may need
 CHUNKED_ROWS = 4  # rows of a batched gemv's chunked fill: its copies per stream (fill_plan)
 # MXFP4 expert fills: the code rows of all streams are A rows 0..7 of the consumer's m16n8k16 MMAs (A rows 8..15
@@ -75,6 +78,16 @@ def mma_code_row(code_streams: int, copy_rows: int, g: int) -> tuple[int, int]:
     if code_streams == 2:
         return g % 2, g // 2
     return 0, (g % 2) * copy_rows + g // 2
+
+
+def chunk_major(units: int, warps: int, chunks: int) -> list[tuple[int, int]]:
+    """(unit, chunk) of each fill in issue order: units u, u + 1, ... belong to warps in turn (u % warps), so a
+    round of `warps` units has one per warp; within a round chunk c of every unit comes before chunk c + 1. A warp
+    still takes its fills in order (its units lie in different rounds). Unit-major order instead (all the chunks
+    of a unit, then the next unit) left a 10-slot ring holding 2-3 warps' fills when rows are cut into 4 chunks.
+    The templates render this order: fill (u, c) = (first unit of u's round) * chunks + c * (units in the
+    round) + u % warps."""
+    return [(u, c) for r0 in range(0, units, warps) for c in range(chunks) for u in range(r0, min(r0 + warps, units))]
 
 
 def mxfp4_padded(in_features: int) -> int:
@@ -167,11 +180,17 @@ class FillPlan:
     def owners(self, row_count: int, warps: int) -> list[int]:
         """The consumer warp of each fill of a task, in issue order (module docstring)."""
         groups = self.groups(row_count)
-        if self.op == "gemv":
-            return [g % warps for g in range(groups) for _ in range(self.chunks)]
-        if self.op == "expert_gated":
-            return [(b * groups + g) % warps for b in range(self.batch) for g in range(groups) for _ in range(self.chunks)]
-        return [j % warps for _ in range(self.batch) for _ in range(groups) for j in range(self.top_k) for _ in range(self.chunks)]
+        if self.op != "expert_combine":
+            units = groups * (self.batch if self.op == "expert_gated" else 1)
+            return [u % warps for u, _ in chunk_major(units, warps, self.chunks)]
+        batch_groups = max(1, COMBINE_BATCH_ROWS // self.rows)
+        out = []
+        for _ in range(self.batch):
+            for g0 in range(0, groups, batch_groups):
+                for j0 in range(0, self.top_k, warps):
+                    for _ in range(min(batch_groups, groups - g0)):
+                        out += [j % warps for j, _ in chunk_major(min(warps, self.top_k - j0), warps, self.chunks)]
+        return out
 
 
 def _bf16(operand: str) -> Stream:

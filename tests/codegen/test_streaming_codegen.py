@@ -14,7 +14,7 @@ import pytest
 
 from k3mk.codegen.emit import emit_source
 from k3mk.codegen.ops import MIN_RING_SLOTS, OP_SMEM_LIMIT, CodegenError, KernelConfig, ring_layout
-from k3mk.ir.streaming import LANE_ORDER_ELEMENTS, MMA_ROWS, MXFP4_CHUNK_ELEMENTS, MXFP4_SPAN, VECTOR_BYTES, StreamingError, fill_plan, mma_code_row
+from k3mk.ir.streaming import LANE_ORDER_ELEMENTS, MMA_ROWS, MXFP4_CHUNK_ELEMENTS, MXFP4_SPAN, VECTOR_BYTES, StreamingError, chunk_major, fill_plan, mma_code_row
 from k3mk.ir.task_table import ExpertCombineParams, ExpertGatedParams, GemvParams, MlaDecodeParams, NopParams, OpVariant
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
@@ -110,7 +110,7 @@ def test_fill_counts_and_owners():
     assert gemv.task_fills(31) == 11 and gemv.owners(31, 8) == [g % 8 for g in range(11)]
     long = fill_plan("gemv", GemvParams(33792, 7168, 1), 16 * 1024)
     assert (long.rows, long.chunks, long.chunk) == (1, 5, 6912)  # 5 chunks of 13.5 KB
-    assert long.task_fills(3) == 15 and long.owners(3, 8) == [0] * 5 + [1] * 5 + [2] * 5
+    assert long.task_fills(3) == 15 and long.owners(3, 8) == [0, 1, 2] * 5  # chunk-major: the 3 rows side by side
     gated = fill_plan("expert_gated", ExpertGatedParams(3584, 3072, 64, 2, 16, "mxfp4", "situ"), 16 * 1024)
     assert gated.rows == 4 and gated.task_fills(10) == 2 * 3  # 3 groups of 4 rows per request
     assert gated.owners(10, 8) == [0, 1, 2, 3, 4, 5]
@@ -120,6 +120,22 @@ def test_fill_counts_and_owners():
     for plan, rows in ((gemv, 31), (long, 3), (gated, 10), (combine, 20)):
         owners = plan.owners(rows, 8)
         assert len(owners) == plan.task_fills(rows)
+
+
+def test_chunk_major_order():
+    """Fills go in rounds of one unit per warp, chunk by chunk; every warp's fills stay in order, and the index the
+    templates compute (round start * chunks + c * units in the round + u % warps) is the fill's place."""
+    for units, warps, chunks in ((11, 8, 4), (3, 8, 5), (16, 8, 2), (20, 8, 1), (9, 4, 3)):
+        order = chunk_major(units, warps, chunks)
+        assert sorted(order) == [(u, c) for u in range(units) for c in range(chunks)]
+        for u, c in order:
+            start = u - u % warps
+            assert order.index((u, c)) == start * chunks + c * min(warps, units - start) + u % warps
+        for w in range(warps):
+            mine = [(u, c) for u, c in order if u % warps == w]
+            assert mine == sorted(mine)
+    # a ring of 10 slots holds fills of 8 warps, not of the 2-3 rows unit-major order gave (K3 b4: 4 chunks per row)
+    assert len({u % 8 for u, _ in chunk_major(64, 8, 4)[:10]}) == 8
 
 
 def test_batched_gemvs_cut_several_rows_into_chunks():

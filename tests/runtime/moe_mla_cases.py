@@ -307,11 +307,16 @@ def moe_mla_cases() -> list[MoeMlaCase]:
         router_ties_case(),
         expert_gated_case("expert_gated_bf16_silu_b4", 4, 520, 264, 7, 3, "bfloat16", "silu", row_tiles=3, ctas=5),
         expert_gated_case("expert_gated_bf16_situ_b1", 1, 264, 136, 5, 2, "bfloat16", "situ", row_tiles=2, ctas=3),
+        # rows cut into 2 chunks (18 KB gated rows), 36 rows x 4 requests per task: rounds of 8 units, chunk by chunk,
+        # the last round short (ir/streaming.py chunk_major)
+        expert_gated_case("expert_gated_bf16_silu_b4_chunked", 4, 4608, 72, 5, 2, "bfloat16", "silu", row_tiles=2, ctas=2),
         # MXFP4 rows of odd group counts (17, 7 scale bytes); an expert's scale block stays a multiple of 16 bytes,
         # which the streaming ring's bulk copies need (ir/streaming.py fill_plan)
         expert_gated_case("expert_gated_mxfp4_situ_b1", 1, 544, 208, 9, 4, "mxfp4", "situ", row_tiles=2, ctas=3),
         expert_gated_case("expert_gated_mxfp4_silu_b4", 4, 256, 72, 5, 2, "mxfp4", "silu", row_tiles=2, ctas=4),
         expert_combine_case("expert_combine_bf16_b4", 4, 264, 520, 7, 3, "bfloat16", row_tiles=5, ctas=4),
+        # 16.5 KB rows in 2 chunks, 9 slots: a round of 8 slots and a round of 1, chunk by chunk
+        expert_combine_case("expert_combine_bf16_b2_chunked", 2, 8448, 40, 11, 9, "bfloat16", row_tiles=2, ctas=2),
         expert_combine_case("expert_combine_mxfp4_b1", 1, 224, 272, 9, 4, "mxfp4", row_tiles=3, ctas=3),
         expert_combine_case("expert_combine_mxfp4_b4", 4, 224, 144, 9, 4, "mxfp4", row_tiles=4, ctas=4),
         # the ends of the scale range the MXFP4 decode takes exactly (mxfp4_dot.py.j2: bytes 10..136)
