@@ -132,8 +132,8 @@ class RingLayout:
     """The kernel's shared memory (docs/megakernel.md "The streaming task loop"): the op smem (every op
     body's staging, shared), the ring of `slots` slots, the `records` forwarded task records, then one
     mbarrier per slot full / slot empty / record full / record empty, an int32 per slot (its current fill),
-    the producer's two int64 profile counters and the debug watchdog's three int64 (ring.py.j2 SLOT_SEQ,
-    PRODUCER_STATS, WATCHDOG). Offsets in bytes."""
+    the producer's two int64 profile counters, the consumers' three int64 profile stamps and the debug watchdog's
+    three int64 (ring.py.j2 SLOT_SEQ, PRODUCER_STATS, CONSUMER_STATS, WATCHDOG). Offsets in bytes."""
 
     op_bytes: int
     slot_bytes: int
@@ -154,7 +154,7 @@ class RingLayout:
 
     @property
     def total(self) -> int:
-        end = self.barrier_offset + (2 * self.slots + 2 * self.records) * MBARRIER_BYTES + (4 * self.slots + 7) // 8 * 8 + 16 + 24
+        end = self.barrier_offset + (2 * self.slots + 2 * self.records) * MBARRIER_BYTES + (4 * self.slots + 7) // 8 * 8 + 16 + 24 + 24
         return (end + 127) // 128 * 128
 
 

@@ -61,9 +61,13 @@ MXFP4_SCALE_SUFFIX = ".weight_scale"  # the canonical names of MXFP4 scale tenso
 # satisfied, its op body done (after the consumer barrier, just before the release); then %smid and the
 # step, last. The producer warp's lane 0 writes: when it began the task (before forwarding its record),
 # when it had issued the task's fills, the ns it waited for free ring slots meanwhile, and the bytes its
-# bulk copies brought (what the producer actually issued, not the cost model's count).
-PROFILE_WORDS = 9
-PROFILE_FIELDS = ("start", "wait_done", "body_end", "smid", "epoch", "produce_start", "produce_end", "ring_wait", "issued_bytes")
+# bulk copies brought (what the producer actually issued, not the cost model's count). Inside a streaming op's
+# body thread 0 (consumer warp 0, lane 0) also writes: when the op's input was staged (its prologue done: gemv
+# and expert_gated), when its first ring fill was there (its first acquire returned), and when it released its
+# last fill; 0 where not taken.
+PROFILE_WORDS = 12
+PROFILE_FIELDS = ("start", "wait_done", "body_end", "smid", "epoch", "produce_start", "produce_end", "ring_wait", "issued_bytes",
+                  "staged", "first_fill", "last_release")  # fmt: skip
 PROFILE_RING_STEPS = 4
 # A profile build's manifest says this instead of ABI_VERSION, so that a runtime which does not know the
 # longer `debug` buffer refuses the artifact instead of letting the kernel write past its allocation.

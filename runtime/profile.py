@@ -22,6 +22,12 @@ different SMs compare) at three points of every task, the producer warp's lane 0
   the task's fills (or its L2 prefetches), ahead of the consumers; `ring_wait` of it is the time the
   producer waited for a free ring slot (producer time blocked on a full ring), `issued_bytes` the bytes
   its bulk copies brought: what the producer actually streamed, not the cost model's count.
+* inside a streaming op's body, thread 0 (consumer warp 0's lane 0) stamps when the op's input was staged
+  (`staged`: its prologue done, gemv and expert_gated), when its first ring fill was there (`first_fill`: its
+  first acquire returned) and when it released its last fill (`last_release`); 0 where not taken. Per op
+  variant the summary splits such bodies into prologue (wait_done -> staged), first-fill wait (staged, or
+  wait_done, -> first_fill: the ring was behind the consumers) and tail (last_release -> body_end: warp 0's
+  last epilogue, the other warps' last fills and epilogues, the consumer barrier).
 Step wall = last body_end - first start: the launch, the CTAs' set-up and the last CTA's exit are outside
 it. %globaltimer advances in steps (about 32 ns on H100 / H200 by reports): an interval shorter than a
 step reads as 0 or one step, so per-task values of a few steps are noise, sums over many tasks are not.
@@ -50,6 +56,8 @@ from k3mk.runtime.table import LoadedTable, TaskHeader
 TASK_BYTES_FILE = "task_bytes.json"  # artifact file: {"weight_bytes": [...], "other_bytes": [...]} per global task
 INTERVALS = ("wait", "body")  # a task's consecutive consumer intervals, in order
 _STAMPS = ("start", "wait_done", "body_end")  # their bounds
+INSIDE_STAMPS = ("staged", "first_fill", "last_release")  # inside a streaming body, in order (0 = not taken)
+INSIDE = ("prologue", "first_fill", "tail")  # the body's parts they bound (TaskTimes.inside)
 PRODUCER_TRACK = 1 << 16  # Chrome trace: CTA c's producer is thread PRODUCER_TRACK + c
 TIMER_NOTE = "%globaltimer ns, one clock for the GPU; it advances in steps (~32 ns reported on H100/H200): per-task intervals of a few steps are not resolved"
 
@@ -66,6 +74,9 @@ class TaskTimes:
     produce_end: int
     ring_wait: int  # ns
     issued_bytes: int
+    staged: int = 0  # inside a streaming body (module docstring); 0 = not taken
+    first_fill: int = 0
+    last_release: int = 0
 
     def interval(self, name: str) -> int:
         i = INTERVALS.index(name)
@@ -79,6 +90,18 @@ class TaskTimes:
     @property
     def produce(self) -> int:
         return self.produce_end - self.produce_start
+
+    def inside(self) -> dict[str, int]:
+        """The body's parts that its stamps bound (module docstring): prologue, first_fill (wait), tail; only
+        those whose stamps were taken."""
+        parts = {}
+        if self.staged:
+            parts["prologue"] = self.staged - self.wait_done
+        if self.first_fill:
+            parts["first_fill"] = self.first_fill - (self.staged or self.wait_done)
+        if self.last_release:
+            parts["tail"] = self.body_end - self.last_release
+        return parts
 
 
 @dataclass(frozen=True)
@@ -114,7 +137,7 @@ class Timeline:
             if r[field["epoch"]] != step:
                 raise ValueError(f"task {h.index} (CTA {h.cta} #{h.position}) has a record of step {r[field['epoch']]}, not {step}")
         times = [TaskTimes(*(int(r[field[name]]) for name in (*_STAMPS, "smid", "produce_start", "produce_end", "ring_wait",
-                                                               "issued_bytes"))) for r in records]  # fmt: skip
+                                                               "issued_bytes", *INSIDE_STAMPS))) for r in records]  # fmt: skip
         variants = table.meta["variants"]
         ops = [variants[h.opcode]["op"] for h in headers]
         labels = [table.label(h.cta, h.position) for h in headers]
@@ -195,9 +218,10 @@ class Timeline:
         waiting before a signaller of its event signalled. Empty for a sound record."""
         problems = []
         for h, t in zip(self.headers, self.times):
-            stamps = [getattr(t, s) for s in _STAMPS]
+            names = ("start", "wait_done", *(s for s in INSIDE_STAMPS if getattr(t, s)), "body_end")
+            stamps = [getattr(t, s) for s in names]
             if stamps != sorted(stamps):
-                problems.append(f"task {h.index} ({self.labels[h.index]}): stamps out of order {dict(zip(_STAMPS, stamps))}")
+                problems.append(f"task {h.index} ({self.labels[h.index]}): stamps out of order {dict(zip(names, stamps))}")
             if not 0 <= t.ring_wait <= t.produce or t.issued_bytes < 0:
                 problems.append(f"task {h.index} ({self.labels[h.index]}): producer record {t.produce_start}..{t.produce_end}, "
                                 f"ring wait {t.ring_wait} ns, {t.issued_bytes} bytes")  # fmt: skip
@@ -236,11 +260,15 @@ def _by_key(tl: Timeline, keys: list[str]) -> dict[str, dict]:
     groups: dict[str, dict] = {}
     for i, key in enumerate(keys):
         s = groups.setdefault(key, {"count": 0, **{f"{name}_ns": 0 for name in INTERVALS}, "produce_ns": 0, "ring_wait_ns": 0,
-                                    "issued_bytes": 0, "weight_bytes": 0, "other_bytes": 0})  # fmt: skip
+                                    "issued_bytes": 0, "weight_bytes": 0, "other_bytes": 0,
+                                    **{f"{name}_ns": 0 for name in INSIDE}, **{f"{name}_tasks": 0 for name in INSIDE}})  # fmt: skip
         t = tl.times[i]
         s["count"] += 1
         for name in INTERVALS:
             s[f"{name}_ns"] += t.interval(name)
+        for name, ns in t.inside().items():
+            s[f"{name}_ns"] += ns
+            s[f"{name}_tasks"] += 1
         s["produce_ns"] += t.produce
         s["ring_wait_ns"] += t.ring_wait
         s["issued_bytes"] += t.issued_bytes
@@ -250,6 +278,8 @@ def _by_key(tl: Timeline, keys: list[str]) -> dict[str, dict]:
     for s in groups.values():
         for name in (*INTERVALS, "produce"):
             s[f"{name}_mean_ns"] = s[f"{name}_ns"] / s["count"]
+        for name in INSIDE:  # over the tasks that took the stamps
+            s[f"{name}_mean_ns"] = s[f"{name}_ns"] / s[f"{name}_tasks"] if s[f"{name}_tasks"] else None
         streamed = s["issued_bytes"] or s["weight_bytes"]
         moved = streamed + s["other_bytes"]
         s["body_GBps"] = moved / s["body_ns"] if (s["issued_bytes"] or tl.weight_bytes is not None) and s["body_ns"] > 0 else None  # bytes / ns = GB/s
@@ -283,9 +313,12 @@ def summarize(tl: Timeline, slowest: int = 10) -> dict:
     on_path: dict[str, dict] = {}
     reached = tl.t0  # a path task's hand-off: from its predecessor's signal (the step's start) to its wait done
     for i in path:
-        t, o = tl.times[i], on_path.setdefault(tl.ops[i], {"count": 0, "body_ns": 0, "handoff_ns": 0})
+        t = tl.times[i]
+        o = on_path.setdefault(tl.ops[i], {"count": 0, "body_ns": 0, "handoff_ns": 0, **{f"{name}_ns": 0 for name in INSIDE}})
         o["count"] += 1
         o["body_ns"] += t.interval("body")
+        for name, ns in t.inside().items():
+            o[f"{name}_ns"] += ns
         o["handoff_ns"] += t.wait_done - reached
         reached = t.signal
     critical = {"tasks": len(path), "span_ns": reached - tl.t0, "handoff_ns": sum(o["handoff_ns"] for o in on_path.values()),
@@ -334,13 +367,15 @@ VARIANT_ROWS = 20  # variants format_summary lists (most wait + body first; summ
 def _group_table(title: str, groups) -> list[str]:
     """Lines of summarize()'s per-group figures (by_op or by_variant items), a blank line first."""
     lines = ["", f"{title:20s} {'tasks':>6s} {'wait us':>10s} {'wait mean':>10s} {'body us':>10s} {'body mean':>10s} "
-                 f"{'ring wait us':>12s} {'issued MB':>9s} {'model MB':>9s} {'body GB/s':>9s}"]  # fmt: skip
+                 f"{'ring wait us':>12s} {'issued MB':>9s} {'model MB':>9s} {'body GB/s':>9s}  in a body (mean us): "
+                 "prologue / first fill / tail"]  # fmt: skip
     for name, o in groups:
         model = "-" if o["weight_bytes"] is None else f"{(o['weight_bytes'] + o['other_bytes']) / 1e6:.2f}"
         gbps = "-" if o["body_GBps"] is None else f"{o['body_GBps']:.1f}"
+        inside = " / ".join(_us(o[f"{part}_mean_ns"]) for part in INSIDE)
         lines.append(
             f"{name:20s} {o['count']:6d} {_us(o['wait_ns']):>10s} {_us(o['wait_mean_ns']):>10s} {_us(o['body_ns']):>10s} "
-            f"{_us(o['body_mean_ns']):>10s} {_us(o['ring_wait_ns']):>12s} {o['issued_bytes'] / 1e6:9.2f} {model:>9s} {gbps:>9s}"
+            f"{_us(o['body_mean_ns']):>10s} {_us(o['ring_wait_ns']):>12s} {o['issued_bytes'] / 1e6:9.2f} {model:>9s} {gbps:>9s}  {inside}"
         )
     return lines
 
@@ -362,7 +397,9 @@ def format_summary(s: dict) -> str:
     c = s["critical_path"]
     lines += ["", f"critical path ({c['tasks']} tasks, {_us(c['span_ns'])} us): bodies and hand-offs (predecessor's signal -> wait done) per op kind:"]
     for op, o in c["by_op"].items():
-        lines.append(f"  {op:16s} {o['count']:6d} tasks  body {_us(o['body_ns']):>10s} us  hand-off {_us(o['handoff_ns']):>9s} us")
+        inside = ", ".join(f"{name} {_us(o[f'{name}_ns'])}" for name in INSIDE if o[f"{name}_ns"])
+        lines.append(f"  {op:16s} {o['count']:6d} tasks  body {_us(o['body_ns']):>10s} us  hand-off {_us(o['handoff_ns']):>9s} us"
+                     + (f"  (in the bodies: {inside} us)" if inside else ""))
     h = s["handoff"]
     lines += ["", f"hand-off (last signal -> waiter's wait done) over the {h['blocking']} blocking of {h['waits']} waits: "
                   f"median {_us(h['median_ns'])} us, p90 {_us(h['p90_ns'])} us, max {_us(h['max_ns'])} us; slowest:"]  # fmt: skip
