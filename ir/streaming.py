@@ -16,7 +16,8 @@ each round chunk-major (`chunk_major`: chunk c of every unit of the round, then 
 fills a ring holds are every warp's work, not all the chunks of one or two warps' rows:
 
   gemv            units = row groups g, warp g % warps
-  expert_gated    units = (b, g) request-major, warp (b * groups + g) % warps          (expert ids[b, slot])
+  expert_gated    for b in batch: units = row groups g, warp (b * groups + g) % warps  (expert ids[b, slot]; rounds
+                  within a request: the producer reads no id and divides nothing per fill)
   expert_combine  for b in batch: for batches of COMBINE_BATCH_ROWS rows of row groups: for rounds of `warps`
                   slots: for g in the batch: the round's slots j are the units, warp j % warps (expert ids[b, j];
                   its requests and row-group batches run one after another, a barrier between them)
@@ -180,9 +181,10 @@ class FillPlan:
     def owners(self, row_count: int, warps: int) -> list[int]:
         """The consumer warp of each fill of a task, in issue order (module docstring)."""
         groups = self.groups(row_count)
-        if self.op != "expert_combine":
-            units = groups * (self.batch if self.op == "expert_gated" else 1)
-            return [u % warps for u, _ in chunk_major(units, warps, self.chunks)]
+        if self.op == "gemv":
+            return [g % warps for g, _ in chunk_major(groups, warps, self.chunks)]
+        if self.op == "expert_gated":
+            return [(b * groups + g) % warps for b in range(self.batch) for g, _ in chunk_major(groups, warps, self.chunks)]
         batch_groups = max(1, COMBINE_BATCH_ROWS // self.rows)
         out = []
         for _ in range(self.batch):
