@@ -179,7 +179,7 @@ def main() -> int:
     parser.add_argument("--replay", nargs="*", default=[], metavar="ARTIFACT=MEASURED_US", help="builds to predict with the fitted constants")
     args = parser.parse_args()
 
-    from k3mk.ir.replay import H200_2026_12_02
+    from k3mk.ir.replay import H200_2026_12_03
 
     build = Build.load(args.artifact)
     rec = torch.load(args.timeline / "records.pt")
@@ -189,7 +189,7 @@ def main() -> int:
         return 2
     context = int(rec["positions"][0]) + 1 if "positions" in rec else None  # the recorded step's context
     sm_stream = args.copy_tbps * 1e12 / len(build.table.lists)
-    costs, report = fit(build, records, rec["fields"], sm_stream, args.landed_us * 1e-6, H200_2026_12_02, context)
+    costs, report = fit(build, records, rec["fields"], sm_stream, args.landed_us * 1e-6, H200_2026_12_03, context)
     own = build.replay(costs, context)
     summary = json.loads((args.timeline / "summary.json").read_text())["steps"][0]
     measured_shares = summary["cta_time_fraction"]

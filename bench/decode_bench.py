@@ -266,11 +266,11 @@ def _build(artifact: Path):
 def predicted_us(artifact: Path, context: int) -> float | None:
     """The replay of the build at the cell's context (ir/replay.py, the compiler's constants; the MLA chunks as
     long as the run makes them), or None for an artifact built before every build wrote its task bytes."""
-    from k3mk.ir.replay import H200_2026_12_02
+    from k3mk.ir.replay import H200_2026_12_03
 
     if not (artifact / "task_bytes.json").exists():
         return None
-    return _build(artifact).replay(H200_2026_12_02, context).step_s * 1e6
+    return _build(artifact).replay(H200_2026_12_03, context).step_s * 1e6
 
 
 def run_cell(bench: Bench, config, baseline, model, artifact: tuple[int, Path] | None, batch: int, context: int, bandwidth: float) -> dict:

@@ -166,7 +166,7 @@ def replayed_step(output, target: Target, kernel_options: dict[str, int] | None 
     """The replay of an emitted table on the kernel the build makes of it (ir/replay.py), or None where its
     constants do not apply (they are the H200's) or nothing was emitted."""
     from k3mk.codegen.ops import KernelConfig, ring_layout
-    from k3mk.ir.replay import H200_2026_12_02, replay
+    from k3mk.ir.replay import H200_2026_12_03, replay
     from k3mk.ir.streaming import RingModel
     from k3mk.passes.emit_task_table import EmittedTable
     from k3mk.passes.schedule import activation_bytes
@@ -177,10 +177,10 @@ def replayed_step(output, target: Target, kernel_options: dict[str, int] | None 
     ring = ring_layout(output.table.variants, config)
     tg = output.task_graph
     task_bytes = [[(tg.tasks[i].weight_bytes, activation_bytes(tg.tasks[i], tg.graph)) for i in ids] for ids in tg.sm_lists]
-    return replay(output.table, task_bytes, RingModel(ring.slots, ring.records, config.warps, ring.slot_bytes), H200_2026_12_02)
+    return replay(output.table, task_bytes, RingModel(ring.slots, ring.records, config.warps, ring.slot_bytes), H200_2026_12_03)
 
 
-REPLAY_COSTS_NAME = "H200_2026_12_02"
+REPLAY_COSTS_NAME = "H200_2026_12_03"
 
 
 def _roofline(graph: Graph, target: Target) -> str:

@@ -20,7 +20,7 @@ Per CTA two processes, as in the kernel and in the ring-aware deadlock check (ir
 What it leaves out: HBM shared unevenly (an SM streaming alone gets more than its share: the model errs
 slow when few SMs stream), L2 hits, the KDA state's L2 prefetch.
 
-Every constant is a measurement: `H200_2026_12_02` says which. The replay runs in an order the events
+Every constant is a measurement: `H200_2026_12_03` says which. The replay runs in an order the events
 allow (ir/table_exec.py table_order), so each task's inputs are known when it is timed. Python over the
 table and per-task byte counts (the compiler's: `compiler/pipeline.py` passes them), like the deadlock
 check; `bench/decode_bench.py` replays each cell at its context.
@@ -71,33 +71,34 @@ class EngineCosts:
         return EngineCosts(**d)
 
 
-# H200, 2026-12-02 (BENCHMARKS.md "2026-12-02, evening"): bench/calibrate.py on the Kimi Linear 48B b1 timeline of
-# 225fb85's kernel (3,245 us recorded, 3,215 replayed), except where a line says otherwise
-H200_2026_12_02 = EngineCosts(
-    sm_stream=4.26e12 / 132,  # the decode bench's copy bandwidth that day, 4.26 TB/s, over 132 SMs
-    fill_latency=2.00e-6,  # the calibration grid's value closest to the recorded step
-    fill_issue=0.35e-6,  # the median producer time per fill of the streaming tasks that wait on nothing
-    handoff=0.95e-6,  # the median blocking hand-off
-    task_overhead=0.95e-6,  # the median gap from a body's end to the next task's start
-    # bf16: the fit over streaming tasks whose fills had landed; MXFP4: the K3-size expert GEMV benches (2.67 / 2.25
-    # TB/s, gated / combine, over 132 CTAs: a microbenchmark, no Kimi Linear task streams MXFP4)
-    consume={"bfloat16": 206.4e9, "mxfp4": (2.67e12 + 2.25e12) / 2 / 132},
-    prologue=2.75e-6,  # the same fit's fixed part per task (input staging, norm statistics)
+# H200, 2026-12-03 (BENCHMARKS.md "2026-12-03"): bench/calibrate.py on the Kimi Linear 48B b1 timeline of b5fdce7's
+# kernel at position 1,005 (3,308 us recorded, 3,311 replayed), except where a line says otherwise
+H200_2026_12_03 = EngineCosts(
+    sm_stream=4.27e12 / 132,  # the decode bench's copy bandwidth that day, 4.27 TB/s, over 132 SMs
+    fill_latency=1.00e-6,  # the calibration grid's value closest to the recorded step
+    fill_issue=0.368e-6,  # the median producer time per fill of the streaming tasks that wait on nothing
+    handoff=0.715e-6,  # the median blocking hand-off
+    task_overhead=0.954e-6,  # the median gap from a body's end to the next task's start
+    # bf16: the fit over streaming tasks whose fills had landed (with every warp holding fills since the chunk-major
+    # order, the bytes barely show: the fixed part is the body); MXFP4: the K3-size expert GEMV benches (2.67 / 2.25
+    # TB/s, gated / combine, over 132 CTAs: a microbenchmark, no Kimi Linear task streams MXFP4; 2026-12-02)
+    consume={"bfloat16": 977.7e9, "mxfp4": (2.67e12 + 2.25e12) / 2 / 132},
+    prologue=3.27e-6,  # the same fit's fixed part per task (input staging, norm statistics, the epilogues, the barrier)
     direct={
         # kda_recurrence at K3 size (96 tasks on 96 CTAs, L2 evicted, 2026-12-01): b1 12.6 us, b4 28.6 us a step,
         # 5.8 us empty: 1.0 us + the state's bytes at 23 GB/s fits both batches (a b1 fit alone has no byte term)
         "kda_recurrence": (1.0e-6, 23e9),
         # the others: the b1 fit, a fixed time per task (their bytes did not fit a rate at one batch)
-        "kda_conv": (4.77e-6, 1e15),
+        "kda_conv": (5.25e-6, 1e15),
         # mla_decode: Kimi Linear b4 timelines of 576f448 at positions 1,006 and 8,106 (BENCHMARKS.md, 2026-12-02 late
         # evening): 37.9 / 242.9 ms of bodies over 3,696 tasks and 0.90M / 7.26M (KV row, head) pairs
         "mla_decode": (2.4e-6, 1e15),
         "mla_q_absorb": (5.72e-6, 1e15),
-        "mla_v_up": (9.30e-6, 1e15),
+        "mla_v_up": (8.34e-6, 1e15),
         "mla_latent": (2.62e-6, 1e15),
         "rmsnorm": (2.15e-6, 1e15),
-        "router_topk": (5.84e-6, 1e15),
-        "nop": (0.95e-6, 1e15),
+        "router_topk": (5.72e-6, 1e15),
+        "nop": (1.19e-6, 1e15),
     },
     mla_head_row=32.2e-9,  # the same two timelines' per-(row, head) term
 )

@@ -12,7 +12,7 @@ import pytest
 from k3mk.bench.calibrate import FILL_LATENCIES, Build, fit
 from k3mk.compiler.config import load_config
 from k3mk.compiler.pipeline import compile_graph
-from k3mk.ir.replay import H200_2026_12_02
+from k3mk.ir.replay import H200_2026_12_03
 from k3mk.ir.streaming import RingModel
 from k3mk.passes.schedule import activation_bytes
 
@@ -28,8 +28,8 @@ def build() -> Build:
 
 
 def test_the_fit_recovers_the_constants_of_its_records(build):
-    truth = dataclasses.replace(H200_2026_12_02, sm_stream=400e9, fill_latency=FILL_LATENCIES[3], fill_issue=0.13e-6,
-                                handoff=0.9e-6, task_overhead=0.45e-6, prologue=0.6e-6, consume={"bfloat16": 55e9, "mxfp4": H200_2026_12_02.consume["mxfp4"]},
+    truth = dataclasses.replace(H200_2026_12_03, sm_stream=400e9, fill_latency=FILL_LATENCIES[3], fill_issue=0.13e-6,
+                                handoff=0.9e-6, task_overhead=0.45e-6, prologue=0.6e-6, consume={"bfloat16": 55e9, "mxfp4": H200_2026_12_03.consume["mxfp4"]},
                                 direct={"kda_recurrence": (1.7e-6, 19e9), "mla_decode": (0.8e-6, 31e9)})  # fmt: skip
     r = build.replay(truth)
     rows = [t for ts in r.times for t in ts]
@@ -38,7 +38,7 @@ def test_the_fit_recovers_the_constants_of_its_records(build):
         stamps = dict(start=start, wait_done=wait_done, body_end=body_end, produce_start=p0, produce_end=p1, ring_wait=ring_wait)
         for name, value in stamps.items():
             records[i, FIELDS.index(name)] = round(value * 1e9)  # ns, as %globaltimer
-    costs, report = fit(build, records, FIELDS, truth.sm_stream, 2.0e-6, H200_2026_12_02)
+    costs, report = fit(build, records, FIELDS, truth.sm_stream, 2.0e-6, H200_2026_12_03)
     ns = 2e-9  # the stamps' rounding
     assert costs.handoff == pytest.approx(truth.handoff, abs=ns) and report["handoffs"] > 10
     assert costs.task_overhead == pytest.approx(truth.task_overhead, abs=ns)

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from k3mk.ir.replay import H200_2026_12_02, EngineCosts, mla_chunk_rows, replay
+from k3mk.ir.replay import H200_2026_12_03, EngineCosts, mla_chunk_rows, replay
 from k3mk.ir.streaming import RingModel, fill_plan
 from k3mk.ir.task_table import (Event, ExpertGatedParams, GemvParams, MlaDecodeParams, NopParams, OpVariant, RouterTopkParams, Task, TaskTable,
                                 WeightSpec)  # fmt: skip
@@ -100,7 +100,7 @@ def test_the_producer_issue_cost_caps_a_cta_stream():
 
 def test_task_bytes_must_match_the_lists():
     with pytest.raises(ValueError, match="one \\(weight, other\\) pair per task"):
-        replay(table_of([[Task(3, {}, (), None, "a")]]), [[]], RingModel(4, 4, 8), H200_2026_12_02)
+        replay(table_of([[Task(3, {}, (), None, "a")]]), [[]], RingModel(4, 4, 8), H200_2026_12_03)
 
 
 def test_a_ctas_next_task_starts_its_overhead_after_the_previous_body():
@@ -142,4 +142,4 @@ def test_an_mla_decode_task_costs_its_chunk_rows_at_the_context():
     assert step(10) == pytest.approx(1e-6 + 2 * 3 * 1e-8, rel=1e-12)
     assert step(100) == pytest.approx(1e-6 + 25 * 3 * 1e-8, rel=1e-12)
     assert step(None) == pytest.approx(1e-6 + 32 * 3 * 1e-8, rel=1e-12)
-    assert H200_2026_12_02.mla_head_row > 0
+    assert H200_2026_12_03.mla_head_row > 0
