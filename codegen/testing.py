@@ -112,6 +112,10 @@ class TableBuilder(KdaOpsMixin, MoeMlaOpsMixin):
                 operands["norm_weight"] = norm_weight
             if residual is not None:
                 operands["residual"] = residual.offset
+            # as passes/emit_task_table.py: a task right after one of this GEMV on its CTA skips staging the input
+            last = self.lists[self._next_cta][-1] if self.lists[self._next_cta] else None
+            if last is not None and last.signal == ev:
+                operands["x_staged"] = 1
             self._emit(opcode, operands, wait, ev, f"{name}[{i}]", None)
         w_name = self.weights[weight].name
         g_name = None if norm_weight is None else self.weights[norm_weight].name

@@ -380,7 +380,7 @@ OP_KINDS: Mapping[str, OpKind] = MappingProxyType(
             OpKind("nop", NopParams, ()),
             OpKind("gemv", GemvParams, ("x", "out", "weight", "row_begin", "row_count", "residual", "norm_weight",
                                         "weight_up", "o", "a_log", "dt_bias", "o_norm_weight", "residual2", "residual3",
-                                        "residual4")),
+                                        "residual4", "x_staged")),
             OpKind("rmsnorm", RmsnormParams, ("x", "out", "weight", "batch_begin", "batch_count")),
             OpKind("embedding", EmbeddingParams, ("ids", "out", "table", "batch_begin", "batch_count")),
             OpKind("argmax", ArgmaxParams, ("logits", "out", "batch_begin", "batch_count")),

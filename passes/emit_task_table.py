@@ -168,6 +168,11 @@ Lowered = tuple[OpVariant, dict[str, int]]
 RESIDUAL_OPERANDS = ("residual", "residual2", "residual3", "residual4")
 
 
+def _gemv_x(name: str, args) -> Operand:
+    """The input x of a fused GEMV task's op (its operand order: _gemv)."""
+    return args[-2] if name == "linear_residual" else args[0]
+
+
 def _gemv(task: GraphTask, ctx: _Context) -> Lowered:
     """The fused GEMV family: rows [r0, r1) of out, all batch rows; prologue / epilogue per op kind."""
     op, args = task.op, list(task.args)
@@ -176,18 +181,19 @@ def _gemv(task: GraphTask, ctx: _Context) -> Lowered:
     extra: dict[str, Any] = {}
     operands: dict[str, int] = {}
     residuals: list[Operand] = []
+    x = _gemv_x(name, args)
     if name == "linear":
-        x, w = args
+        _, w = args
     elif name == "rmsnorm_linear":
-        x, norm, w = args
+        _, norm, w = args
         extra["eps"] = op.eps
     elif name == "linear_residual":
-        *residuals, x, w = args
+        *residuals, _, w = args
         if not 1 <= len(residuals) <= len(RESIDUAL_OPERANDS):
             raise EmitError(f"task t{task.id} ({task.node}): gemv adds 1..4 residuals, the task adds {len(residuals)}")
     else:  # NormPrologue ops: x, [norm], rest
         norm_eps = getattr(op, "norm_eps", None)
-        x = args.pop(0)
+        args.pop(0)
         if norm_eps is not None:
             norm = args.pop(0)
             extra["eps"] = norm_eps
@@ -734,6 +740,7 @@ def emit_task_table(tg: TaskGraph, target: Any = None) -> EmittedTable:
     lists: list[list[Task]] = []
     for ids in tg.sm_lists:
         tasks = []
+        staged = None  # (opcode, x tensor, norm weight) of the gemv before this task in the list, if it was one
         for i in ids:
             task = tg.tasks[i]
             if len(task.signals) > 1 or len(task.waits) > 2:
@@ -743,6 +750,15 @@ def emit_task_table(tg: TaskGraph, target: Any = None) -> EmittedTable:
                     raise EmitError(f"task t{i} ({task.node}) waits for {count} signals of e{e}, which has {expected[e]} producers")
             variant, operands = LOWER[task.op.name](task, ctx)
             opcode = variants.setdefault(variant, len(variants))
+            if variant.op == "gemv":
+                # the input the previous task staged in the op smem is this task's (same variant, same SSA tensor: the
+                # same values): it is not staged again (gemv.py.j2). Only what ran just before on this CTA qualifies.
+                key = (opcode, _gemv_x(task.op.name, task.args).tensor, operands.get("norm_weight"))
+                if key == staged:
+                    operands["x_staged"] = 1
+                staged = key
+            else:
+                staged = None
             for e, count in task.weight_waits:
                 if count != expected[e]:
                     raise EmitError(f"task t{i} ({task.node})'s weights wait for {count} signals of e{e}, which has {expected[e]} producers")

@@ -133,3 +133,34 @@ def test_refuses_an_unscheduled_graph():
     tg.sm_lists = []
     with pytest.raises(EmitError, match="run the schedule pass"):
         emit_task_table(tg, target)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_x_staged_marks_a_gemv_right_after_the_same_gemv_input(batch):
+    """A gemv task skips staging its input (x_staged = 1) exactly when the task before it in its list is a gemv of the
+    same variant and norm weight whose graph task reads the same x tensor: what that task staged is this input."""
+    from k3mk.compiler.capture import capture
+
+    config = load_config("k3-tiny")
+    target = Target.for_arch(config, num_sms=16, max_tokens=batch, max_context=256)  # few SMs: stages share CTAs
+    em = run_pipeline(capture(config, batch, 256, torch.bfloat16), target, until("emit_task_table")).output
+    table, tg = em.table, em.task_graph
+    offsets = {b.name: b.offset for b in table.buffers}
+
+    def reads(i: int, offset: int) -> set[str]:  # the graph tensors task i reads at arena offset `offset`
+        return {a.tensor for a in tg.tasks[i].args if offsets.get(a.tensor) == offset}
+
+    flagged = 0
+    for ids, entries in zip(tg.sm_lists, table.lists):
+        for k, entry in enumerate(entries):
+            if table.variants[entry.opcode].op != "gemv":
+                assert "x_staged" not in entry.operands
+                continue
+            x = entry.operands.get("x", 0)
+            prev = entries[k - 1] if k else None
+            same = (prev is not None and prev.opcode == entry.opcode and prev.operands.get("x", 0) == x
+                    and prev.operands.get("norm_weight", 0) == entry.operands.get("norm_weight", 0)
+                    and bool(reads(ids[k - 1], x) & reads(ids[k], x)))  # fmt: skip
+            assert entry.operands.get("x_staged", 0) == int(same), entry.label
+            flagged += same
+    assert flagged > 0
