@@ -43,6 +43,7 @@ MAX_BATCH = 16
 X_SMEM_BUDGET = 160 * 1024  # GEMV stages its (normalised) input in shared memory
 X_STAGE_BYTES = 64 * 1024  # ... and an input it could read from the arena up to this (x_staging_limit)
 PRODUCER_THREADS = 32  # one producer warp beside the consumers (it also forwards the task records)
+HANDOFF_THREADS = 64  # the waiter and the signaller warps (megakernel.py.j2: events waited and released off the consumers)
 
 
 class CodegenError(ValueError):
@@ -53,7 +54,7 @@ class CodegenError(ValueError):
 class KernelConfig:
     """Compile-time constants of the whole kernel (one per artifact)."""
 
-    threads: int = 256  # consumer threads: the op bodies' CTA (the block adds the producer warp)
+    threads: int = 256  # consumer threads: the op bodies' CTA (the block adds the producer, waiter and signaller warps)
     debug: bool = False  # watchdog on every wait (docs/megakernel.md)
     profile: bool = False  # per-task %globaltimer records (docs/megakernel.md "Profile builds")
     kernel_name: str = "k3mk_megakernel"
@@ -76,7 +77,7 @@ class KernelConfig:
 
     @property
     def block_threads(self) -> int:
-        return self.threads + PRODUCER_THREADS
+        return self.threads + PRODUCER_THREADS + HANDOFF_THREADS
 
 
 KERNEL_TUNING = ("slot_bytes", "ring_bytes", "records", "gemv_unroll", "mxfp4_unroll")  # `k3mk compile --kernel-option` knobs
@@ -131,9 +132,10 @@ MBARRIER_BYTES = 8
 class RingLayout:
     """The kernel's shared memory (docs/megakernel.md "The streaming task loop"): the op smem (every op
     body's staging, shared), the ring of `slots` slots, the `records` forwarded task records, then one
-    mbarrier per slot full / slot empty / record full / record empty, an int32 per slot (its current fill),
+    mbarrier per slot full / slot empty / record full / record empty / record ready / record done, an int32 per
+    slot (its current fill), an int32 per record (the waiter's status),
     the producer's two int64 profile counters, the consumers' three int64 profile stamps and the debug watchdog's
-    three int64 (ring.py.j2 SLOT_SEQ, PRODUCER_STATS, CONSUMER_STATS, WATCHDOG). Offsets in bytes."""
+    three int64 (ring.py.j2 SLOT_SEQ, RECORD_STATUS, PRODUCER_STATS, CONSUMER_STATS, WATCHDOG). Offsets in bytes."""
 
     op_bytes: int
     slot_bytes: int
@@ -154,7 +156,7 @@ class RingLayout:
 
     @property
     def total(self) -> int:
-        end = self.barrier_offset + (2 * self.slots + 2 * self.records) * MBARRIER_BYTES + (4 * self.slots + 7) // 8 * 8 + 16 + 24 + 24
+        end = self.barrier_offset + (2 * self.slots + 4 * self.records) * MBARRIER_BYTES + (4 * self.slots + 4 * self.records + 7) // 8 * 8 + 16 + 24 + 24
         return (end + 127) // 128 * 128
 
 

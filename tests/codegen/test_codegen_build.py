@@ -39,8 +39,8 @@ def test_chain_builds_for_sm90a(tmp_path, cache):
     cubin = m.read_file("cubin")
     assert cubin[:4] == b"\x7fELF" and b"k3mk_megakernel_0" in cubin
     ptx = m.file("ptx").read_text()
-    assert ".target sm_90a" in ptx and ".reqntid 288, 1, 1" in ptx  # 8 consumer warps + the producer warp
-    assert m["block_threads"] == 288 and m["ring"]["slots"] >= 2
+    assert ".target sm_90a" in ptx and ".reqntid 352, 1, 1" in ptx  # 8 consumer warps + the producer, waiter and signaller warps
+    assert m["block_threads"] == 352 and m["ring"]["slots"] >= 2
     assert ptx.count(".param .u64 .ptr") == 7 and ptx.count(".param .u32") == 2
     for needle in ("ld.acquire.gpu.global.b64", "red.release.gpu.global.add.u64", "atom.global.acq_rel.add.u64",
                    "cp.async.bulk.shared::cluster.global", "ld.global.v4"):  # fmt: skip

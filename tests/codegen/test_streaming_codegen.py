@@ -270,7 +270,7 @@ def test_streaming_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
           f"{info.get('spill_load_bytes')} B, {info['compile_seconds']} s")  # fmt: skip
     assert info["spill_store_bytes"] == 0
     ptx = (entry / "megakernel.sm_90a.ptx").read_text()
-    for needle in (".reqntid 288, 1, 1", ".minnctapersm 1", "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
+    for needle in (".reqntid 352, 1, 1", ".minnctapersm 1", "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
                    "mbarrier.arrive.expect_tx", "mbarrier.try_wait.parity", "fence.mbarrier_init", "bar.sync 	1, 256",
                    "red.release.gpu.global.add.u64", "ld.acquire.gpu", "ld.shared.v4"):  # fmt: skip
         assert needle in ptx, needle
