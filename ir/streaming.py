@@ -298,7 +298,11 @@ def check_ring(table: Any, ring: RingModel, rng: Any = None) -> None:
     is the same in every execution: if this one (greedy, or in the random interleaving `rng` picks)
     completes, none deadlocks. The consumers are modelled as one process taking the task's fills in
     order; the real warps take their own fills in order and release each before any CTA barrier, so a
-    fill the producer waits for is always held by a warp that can finish it (ir/streaming.py docstring)."""
+    fill the producer waits for is always held by a warp that can finish it (ir/streaming.py docstring).
+    The kernel's waiter and signaller warps (megakernel.py.j2) do the consumers' event waits and signals; the
+    model keeps both in the consumers' process, which is sound because the waiter makes the model's waits in
+    list order (only earlier) and the signaller waits for nothing but the consumers' `done`: as in the model,
+    a task's signal never waits on a later task's events."""
     counts = table.event_counts()
     seen = [0] * len(table.events)
     plans = [fill_plan(v.op, v.params, ring.slot_bytes) for v in table.variants]

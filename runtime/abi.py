@@ -57,8 +57,9 @@ MXFP4_SCALE_SUFFIX = ".weight_scale"  # the canonical names of MXFP4 scale tenso
 # Profile builds (KernelConfig.profile): the SAME parameters, but the `debug` buffer continues after the
 # watchdog records with PROFILE_RING_STEPS slots of int64[num_tasks][PROFILE_WORDS], one record per task
 # indexed by its global task index (list offset + position); step e writes slot (e - 1) % PROFILE_RING_STEPS.
-# Consumer thread 0 writes the %globaltimer (ns) at: the task's start (its record forwarded), its waits
-# satisfied, its op body done (after the consumer barrier, just before the release); then %smid and the
+# Consumer thread 0 writes the %globaltimer (ns) at: the task's start (before its wait for the waiter warp's
+# `ready`), its waits satisfied (`ready` complete), its op body done (after the consumer barrier, just before
+# the arrive that hands the release to the signaller warp); then %smid and the
 # step, last. The producer warp's lane 0 writes: when it began the task (before forwarding its record),
 # when it had issued the task's fills, the ns it waited for free ring slots meanwhile, and the bytes its
 # bulk copies brought (what the producer actually issued, not the cost model's count). Inside a streaming op's

@@ -10,14 +10,16 @@ hand-off latency of the events.
 The consumer warps' thread 0 stamps %globaltimer (ns; one clock for the whole GPU, so stamps of
 different SMs compare) at three points of every task, the producer warp's lane 0 at two more:
 
-* wait (start -> wait_done): the record forwarded, thread 0 polling the waited event counters
-  (ld.acquire.gpu) until they reach this step's target: consumer time blocked on events. A task whose
-  events were already signalled pays one poll per event (an L2 round trip).
-* body (wait_done -> body_end): the consumer barrier after the wait, the op body (its ring fills waited
+* wait (start -> wait_done): the consumers waiting for the task's `ready` barrier, which the waiter warp
+  completes once its polls of the waited event counters (ld.acquire.gpu) reach this step's target:
+  consumer time blocked on events. The waiter runs ahead, so a task whose events were signalled while
+  the consumers ran the one before waits for nothing.
+* body (wait_done -> body_end): the op body (its ring fills waited
   for and read, activations and state loaded, compute, stores) and the consumer barrier after it. An
   op kind's bytes / body time is the bandwidth ONE CTA achieves running it. An op that waits inside its
   body (the collectives, which wait for the other ranks) shows that wait in its body.
-* between (body_end -> the next task's start): the release add and taking the next record.
+* between (body_end -> the next task's start): the arrive on `done` (the signaller warp releases the
+  task's event from there) and the profile record's stores.
 * produce (produce_start -> produce_end, the producer's own track): forwarding the record and issuing
   the task's fills (or its L2 prefetches), ahead of the consumers; `ring_wait` of it is the time the
   producer waited for a free ring slot (producer time blocked on a full ring), `issued_bytes` the bytes
@@ -33,9 +35,9 @@ it. %globaltimer advances in steps (about 32 ns on H100 / H200 by reports): an i
 step reads as 0 or one step, so per-task values of a few steps are noise, sums over many tasks are not.
 The summary reports the step seen in the records (`timer_step_ns`).
 
-Hand-off latency of an event = the waiter's wait_done - the event's LAST signaller's body_end stamp (just
-before its release add). It covers the add's trip to L2, the waiter's poll loop (up to one poll round trip
-late) and its acquire load. Only blocking waits measure it: the waiter was already waiting (it started
+Hand-off latency of an event = the waiting task's wait_done - the event's LAST signaller's body_end stamp
+(just before its `done` arrive). It covers the signaller warp's wake-up and release add, the add's trip to
+L2, the waiter warp's poll loop (up to one poll round trip late), its acquire load and the consumers' wake-up. Only blocking waits measure it: the waiter was already waiting (it started
 before that signal) and this event was its last to be signalled.
 
 Bytes per task: `issued_bytes` as recorded; the cost model's (passes/tile.py `weight_bytes`: a routed
