@@ -29,7 +29,7 @@ latent cache row (the cache and positions come from the mla_cache_write node tha
 mla_cache_write a `nop` that keeps the graph's events (it waits on the latent task and signals the
 decode tasks). An unfused router (gate > 256 KB, passes/fuse_epilogue.py) is its fp32 `linear` (gemv
 variants with out_dtype float32) + `router_topk`, one task for all rows; mla_decode tiles are head groups
-of <= MLA_DECODE_GROUP_HEADS (passes/tile.py).
+of <= mla_decode_group_heads(batch) (passes/tile.py).
 
 Tensor parallelism (tp > 1, docs/task_table.md "Tensor parallelism"): every rank runs this same table.
 all_reduce / all_gather tasks (column chunks of a [rows, cols] operand) get receive slots in the comm
@@ -82,7 +82,7 @@ from k3mk.ir.task_table import (
 )
 from k3mk.ir.tasks import Operand, TaskGraph, buffer_name, byte_runs
 from k3mk.ir.tasks import Task as GraphTask
-from k3mk.passes.tile import MLA_DECODE_GROUP_HEADS
+from k3mk.passes.tile import mla_decode_group_heads
 
 IO_ALIGN = 256  # as the arena plan's slots (passes/plan_memory.ALIGN)
 
@@ -493,9 +493,6 @@ def _mla_q_absorb(task: GraphTask, ctx: _Context) -> Lowered:
     return OpVariant("mla_q_absorb", params), operands
 
 
-MLA_GROUP_HEADS = MLA_DECODE_GROUP_HEADS
-
-
 def _mla_decode(task: GraphTask, ctx: _Context) -> Lowered:
     q, cache, positions = task.args
     o, lse = task.results
@@ -503,12 +500,13 @@ def _mla_decode(task: GraphTask, ctx: _Context) -> Lowered:
     _, max_len, width = ctx.shape(cache)
     b, c = task.tile["request"], task.tile["chunk"]
     h0, h1 = task.tile.get("heads", (0, heads))
-    if o.boxes[0] != ((b, b + 1), (c, c + 1), (h0, h1), (0, rank)) or h1 - h0 > MLA_GROUP_HEADS:
-        raise EmitError(f"task t{task.id} ({task.node}): mla_decode takes one (request, chunk) of <= {MLA_GROUP_HEADS} heads, the tile stores {o.text()}")
+    group = mla_decode_group_heads(batch)
+    if o.boxes[0] != ((b, b + 1), (c, c + 1), (h0, h1), (0, rank)) or h1 - h0 > group:
+        raise EmitError(f"task t{task.id} ({task.node}): mla_decode takes one (request, chunk) of <= {group} heads, the tile stores {o.text()}")
     ctx.io_dtype(task, positions)
     op = task.op
     params = MlaDecodeParams(num_heads=heads, kv_lora_rank=rank, rope_dim=width - rank, max_len=max_len, batch=batch,
-                             num_chunks=num_chunks, min_chunk_rows=op.min_chunk_rows, scale=op.scale, group_heads=MLA_GROUP_HEADS)  # fmt: skip
+                             num_chunks=num_chunks, min_chunk_rows=op.min_chunk_rows, scale=op.scale, group_heads=group)  # fmt: skip
     operands = {"q": ctx.arena(task, q.tensor), "positions": ctx.arena(task, positions.tensor), "out": ctx.arena(task, o.tensor),
                 "lse": ctx.arena(task, lse.tensor), "cache": ctx.state(task, cache.tensor), "request": b, "chunk": c,
                 "head_begin": h0, "head_count": h1 - h0}  # fmt: skip

@@ -373,18 +373,24 @@ def _mla_absorbed_heads(ctx: Context, node: Node) -> list[Task]:
     return tasks
 
 
-MLA_DECODE_GROUP_HEADS = 8  # heads one mla_decode task holds (codegen/ops_moe_mla.py MAX_GROUP_HEADS: at most 16)
+def mla_decode_group_heads(batch: int) -> int:
+    """Heads one mla_decode task holds (codegen/ops_moe_mla.py MAX_GROUP_HEADS: at most 16, the M rows of its score
+    MMAs). At batch > 1, 16: the MMAs' rows are full and a KV chunk is read once per 16 heads (Kimi Linear b4 8K -2.1%,
+    K3 proxy b4 -1.4 / -2.1%, bf16 proxy b4 -1.3 / -1.7%); at batch 1, 8: a layer's decode has the fewest (request,
+    chunk) pairs, and 16-head tasks left SMs idle (K3 proxy b1 1K +1.3%, Kimi Linear b1 +0.4 / +0.6%; BENCHMARKS.md
+    2026-12-03 afternoon)."""
+    return 8 if batch == 1 else 16
 
 
-def mla_decode_head_groups(heads: int) -> list[tuple[int, int]]:
-    """Head groups of one (request, chunk): as few as the template allows, of equal size where possible."""
-    return split(heads, math.ceil(heads / MLA_DECODE_GROUP_HEADS))
+def mla_decode_head_groups(heads: int, batch: int) -> list[tuple[int, int]]:
+    """Head groups of one (request, chunk): as few as mla_decode_group_heads allows, of equal size where possible."""
+    return split(heads, math.ceil(heads / mla_decode_group_heads(batch)))
 
 
 @rule("mla_decode")
 def _mla_decode(ctx: Context, node: Node) -> list[Task]:
-    """Per (request b, KV chunk c, head group): the heads share the KV rows, so a task holds as many as
-    the template takes (MLA_DECODE_GROUP_HEADS; Kimi Linear's 32 and K3's 96 heads are 4 and 12 groups,
+    """Per (request b, KV chunk c, head group): the heads share the KV rows, so a task holds up to
+    mla_decode_group_heads (Kimi Linear's 32 and K3's 96 heads are 4 and 12 groups at batch 1, 2 and 6 above,
     each re-reading the chunk's rows). The chunk bounds depend on the run-time position, so a task
     declares request b's whole cache; it evaluates every chunk of b and stores chunk c."""
     heads = ctx.shape(node.inputs[0])[1]
@@ -393,7 +399,7 @@ def _mla_decode(ctx: Context, node: Node) -> list[Task]:
     chunks = node.op.num_chunks
     tasks = []
     for b in range(batch):
-        for h0, h1 in mla_decode_head_groups(heads):
+        for h0, h1 in mla_decode_head_groups(heads, batch):
             args = {i: sub(ctx.shape(name), {0: (b, b + 1)}) for i, name in enumerate(node.inputs)}
             args[0] = sub(ctx.shape(node.inputs[0]), {0: (b, b + 1), 1: (h0, h1)})
             for c in range(chunks):

@@ -24,7 +24,7 @@ from k3mk.ir.table_exec import TableExecutor
 from k3mk.ir.task_table import TaskTable
 from k3mk.passes.fuse_mla import MAX_KV_CHUNKS
 from k3mk.passes.manager import PIPELINE, Target, run_pipeline
-from k3mk.passes.tile import MLA_DECODE_GROUP_HEADS
+from k3mk.passes.tile import mla_decode_group_heads
 
 BF16 = torch.bfloat16
 MAX_CONTEXT = 4096
@@ -63,7 +63,9 @@ def test_real_width_table_executes_like_the_interpreter(name):
               if table.variants[t.opcode].op == "mla_decode"]  # fmt: skip
     (params,) = {table.variants[t.opcode].params for ts in table.lists for t in ts if table.variants[t.opcode].op == "mla_decode"}
     assert params.num_heads == heads and params.num_chunks == (MAX_KV_CHUNKS if name == "kimi-linear" else 24)  # K3: 171-row chunks
-    assert Counter(decode) == {(h, MLA_DECODE_GROUP_HEADS): params.num_chunks for h in range(0, heads, MLA_DECODE_GROUP_HEADS)}
+    group = mla_decode_group_heads(1)
+    assert params.group_heads == group
+    assert Counter(decode) == {(h, group): params.num_chunks for h in range(0, heads, group)}
     tg_graph = out.task_graph.graph
     weights = random_weights(config, 0, BF16)
     gen = torch.Generator().manual_seed(0)

@@ -23,7 +23,7 @@ from k3mk.ir.tasks import TaskGraph, buffer_name, byte_runs, execute, execute_co
 from k3mk.passes import tile as tile_pass
 from k3mk.passes.fuse import fuse
 from k3mk.passes.manager import Target
-from k3mk.passes.tile import RULES, TileError, coverage_errors, missing_rules, split, task_count, tile
+from k3mk.passes.tile import RULES, TileError, coverage_errors, missing_rules, split, task_count, tile, mla_decode_group_heads, mla_decode_head_groups
 from k3mk.passes.tp_shard import tp_shard
 
 MAX_CONTEXT = 8
@@ -202,3 +202,14 @@ def test_tiles_fill_the_sms_of_a_large_target():
     kda = next(n for n in graph.nodes if n.op.name == "kda_recurrence")
     assert per_node[kda.name] == 4  # 4 heads, one SM each
     assert tile_pass.MAX_TILE_BYTES >= max(t.weight_bytes for t in tg.tasks if t.node == lm_head.name)
+
+
+def test_mla_decode_head_groups_are_8_heads_at_batch_1_and_16_above():
+    # Kimi Linear's 32 heads, K3's 96, and a count that does not divide: contiguous groups, none over the batch's size
+    for heads in (32, 96, 40):
+        for batch, size in ((1, 8), (2, 16), (4, 16)):
+            groups = mla_decode_head_groups(heads, batch)
+            assert groups[0][0] == 0 and groups[-1][1] == heads
+            assert all(h1 == h0b for (_, h1), (h0b, _) in zip(groups, groups[1:]))  # contiguous
+            assert len(groups) == math.ceil(heads / size) == math.ceil(heads / mla_decode_group_heads(batch))
+            assert max(h1 - h0 for h0, h1 in groups) <= size
