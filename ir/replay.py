@@ -71,19 +71,23 @@ class EngineCosts:
         return EngineCosts(**d)
 
 
-# H200, 2026-12-03 (BENCHMARKS.md "2026-12-03"): bench/calibrate.py on the Kimi Linear 48B b1 timeline of b5fdce7's
-# kernel at position 1,005 (3,308 us recorded, 3,311 replayed), except where a line says otherwise
+# H200, 2026-12-03 afternoon (BENCHMARKS.md "2026-12-03, afternoon"): bench/calibrate.py on the Kimi Linear 48B b1
+# timeline of the waiter / signaller kernel at position 1,005 (813c1ba's profile build, whose kernel differs from
+# d3a0ce2's only in the GEMV epilogue's load order, measured neutral; 3,066 us recorded, 3,203 replayed), except where
+# a line says otherwise
 H200_2026_12_03 = EngineCosts(
-    sm_stream=4.27e12 / 132,  # the decode bench's copy bandwidth that day, 4.27 TB/s, over 132 SMs
-    fill_latency=1.00e-6,  # the calibration grid's value closest to the recorded step
-    fill_issue=0.368e-6,  # the median producer time per fill of the streaming tasks that wait on nothing
-    handoff=0.715e-6,  # the median blocking hand-off
-    task_overhead=0.954e-6,  # the median gap from a body's end to the next task's start
+    sm_stream=4.20e12 / 132,  # the decode bench's copy bandwidth that day, 4.20 TB/s, over 132 SMs
+    fill_latency=0.75e-6,  # the calibration grid's value closest to the recorded step (its smallest)
+    fill_issue=0.373e-6,  # the median producer time per fill of the streaming tasks that wait on nothing
+    handoff=0.954e-6,  # the median blocking hand-off (the signaller's wake-up and release, L2, the waiter's poll)
+    task_overhead=0.0,  # the median gap from a body's end to the next task's start (the arrive on `done`: < 32 ns)
     # bf16: the fit over streaming tasks whose fills had landed (with every warp holding fills since the chunk-major
-    # order, the bytes barely show: the fixed part is the body); MXFP4: the K3-size expert GEMV benches (2.67 / 2.25
-    # TB/s, gated / combine, over 132 CTAs: a microbenchmark, no Kimi Linear task streams MXFP4; 2026-12-02)
-    consume={"bfloat16": 977.7e9, "mxfp4": (2.67e12 + 2.25e12) / 2 / 132},
-    prologue=3.27e-6,  # the same fit's fixed part per task (input staging, norm statistics, the epilogues, the barrier)
+    # order, the bytes barely show: the fixed part is the body); MXFP4 (no Kimi Linear task streams it): the K3 proxy
+    # b1 timeline of the same build, its expert bodies' bytes over their time from the first fill to the last release
+    # (gated 27.2, combine 28.8 GB/s per CTA; the K3-size benches' 2.67 / 2.25 TB/s over 132 CTAs, 18.6 GB/s, made the
+    # replay 16-20% slow on the K3 proxy b1)
+    consume={"bfloat16": 490.8e9, "mxfp4": 28.0e9},
+    prologue=3.14e-6,  # the same fit's fixed part per task (input staging, norm statistics, the epilogues, the barrier)
     direct={
         # kda_recurrence at K3 size (96 tasks on 96 CTAs, L2 evicted, 2026-12-01): b1 12.6 us, b4 28.6 us a step,
         # 5.8 us empty: 1.0 us + the state's bytes at 23 GB/s fits both batches (a b1 fit alone has no byte term)
@@ -93,10 +97,10 @@ H200_2026_12_03 = EngineCosts(
         # mla_decode: Kimi Linear b4 timelines of 576f448 at positions 1,006 and 8,106 (BENCHMARKS.md, 2026-12-02 late
         # evening): 37.9 / 242.9 ms of bodies over 3,696 tasks and 0.90M / 7.26M (KV row, head) pairs
         "mla_decode": (2.4e-6, 1e15),
-        "mla_q_absorb": (5.72e-6, 1e15),
-        "mla_v_up": (8.34e-6, 1e15),
-        "mla_latent": (2.62e-6, 1e15),
-        "rmsnorm": (2.15e-6, 1e15),
+        "mla_q_absorb": (5.25e-6, 1e15),
+        "mla_v_up": (9.06e-6, 1e15),
+        "mla_latent": (2.86e-6, 1e15),
+        "rmsnorm": (2.38e-6, 1e15),
         "router_topk": (5.72e-6, 1e15),
         "nop": (1.19e-6, 1e15),
     },
