@@ -296,3 +296,24 @@ def test_mxfp4_producer_copies_land_where_the_consumer_reads(op, params):
     assert landed == want and len(want) == plan.copy_groups() * sum(st.mma_rows for st in plan.streams) + sum(not st.mma_rows for st in plan.streams)
     run = source[source.index("_run("):]
     assert f"* {plan.group_pitch(plan.streams[0])}" in run and f"% {plan.copy_rows}) * {plan.streams[0].bytes(plan.chunk)}" in run
+
+
+@pytest.mark.parametrize("debug, profile", [(False, False), (True, True)])
+def test_ring_words_fit_the_layout(tmp_path, debug, profile):
+    """The ring template's last words (the record barriers, the status words, the profile and watchdog words)
+    end within codegen/ops.py RingLayout.total, the smem the kernel declares: the layout and the template count
+    the same words."""
+    pytest.importorskip("cutlass", reason="importing the generated module needs nvidia-cutlass-dsl (the compile extra)")
+    import importlib.util
+
+    config = KernelConfig(debug=debug, profile=profile)
+    path = tmp_path / "megakernel_gen.py"
+    path.write_text(emit_source(VARIANTS, config))
+    spec = importlib.util.spec_from_file_location("megakernel_gen", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ring = ring_layout(VARIANTS, config)
+    assert mod.SLOT_FULL == ring.barrier_offset and mod.RING_SLOTS == ring.slots and mod.RECORDS == ring.records
+    end = (mod.WATCHDOG + 24) if debug else (mod.CONSUMER_STATS + 24)
+    assert mod.RECORD_DONE + mod.RECORDS * 8 <= mod.SLOT_SEQ and mod.RECORD_STATUS + mod.RECORDS * 4 <= mod.PRODUCER_STATS
+    assert end <= ring.total == mod.SMEM_BYTES
