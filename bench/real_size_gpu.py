@@ -76,8 +76,9 @@ def main(art: str, out: str | None) -> None:
     rec["model_states_gb"] = sum(t.numel() * t.element_size() for t in model.states.values()) / 1e9
     rec["weights_shared"] = all(model.mk._weights[n].data_ptr() == weights[n].data_ptr() for n in model.mk._weights)
     table = TaskTable.decode(model.mk.manifest.read_file("task_table"))
-    routers = sorted((int(t.label.split()[0][1:]), t.operands["ids"], table.variants[t.opcode].params)
-                     for ts in table.lists for t in ts if table.variants[t.opcode].op in ("router", "router_topk"))  # fmt: skip
+    # one per router (a router GEMV's tiles all name its ids; any of their labels orders the layers)
+    routers = sorted({t.operands["ids"]: (int(t.label.split()[0][1:]), t.operands["ids"], table.variants[t.opcode].params)
+                      for ts in table.lists for t in ts if table.writes_expert_ids(t)}.values())  # fmt: skip
     id_views = [model.mk.arena[o : o + p.batch * p.top_k * 4].view(torch.int32).view(p.batch, p.top_k) for _, o, p in routers]
     rec["routers"] = len(id_views)
     state = ref.new_state(batch, ctx, device=dev)

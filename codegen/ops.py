@@ -208,9 +208,17 @@ def _check_batch(b: int) -> None:
     _require(1 <= b <= MAX_BATCH, f"batch {b} outside [1, {MAX_BATCH}]")
 
 
-GEMV_EPILOGUES = ("none", "silu_mul", "situ_mul", "sigmoid_gate", "kda_gate", "gated_rmsnorm")
+GEMV_EPILOGUES = ("none", "silu_mul", "situ_mul", "sigmoid_gate", "kda_gate", "gated_rmsnorm", "router")
+MAX_TOP_K = 32
+MAX_SELECT_EXPERTS = 32 * 32  # topk_select.py.j2 keeps ceil(E / 32) scores per lane in registers
 GATED_EPILOGUES = ("silu_mul", "situ_mul")
 MAX_RESIDUALS = 4  # operands residual, residual2, residual3, residual4
+
+
+def _check_select(name: str, num_experts: int, top_k: int) -> None:
+    """The router's selection (topk_select.py.j2)."""
+    _require(1 <= top_k <= min(num_experts, MAX_TOP_K), f"{name} top_k {top_k} outside [1, min(E, {MAX_TOP_K})]")
+    _require(num_experts <= MAX_SELECT_EXPERTS, f"{name}: {num_experts} experts > {MAX_SELECT_EXPERTS} (selection scores per lane in registers)")
 
 
 def _check_gemv(p: GemvParams) -> None:
@@ -224,8 +232,11 @@ def _check_gemv(p: GemvParams) -> None:
     _require(0 <= p.residuals <= MAX_RESIDUALS, f"gemv residuals {p.residuals} outside [0, {MAX_RESIDUALS}]")
     _require(p.residuals == 0 or (p.epilogue == "none" and p.out_dtype == "bfloat16"),
              "gemv residuals need the plain bf16 epilogue")  # fmt: skip
-    _require((p.out_dtype == "float32") == (p.epilogue == "kda_gate") or p.epilogue == "none",
-             f"gemv epilogue {p.epilogue!r} writes {'float32' if p.epilogue == 'kda_gate' else 'bfloat16'}")  # fmt: skip
+    _require((p.out_dtype == "float32") == (p.epilogue in ("kda_gate", "router")) or p.epilogue == "none",
+             f"gemv epilogue {p.epilogue!r} writes {'float32' if p.epilogue in ('kda_gate', 'router') else 'bfloat16'}")  # fmt: skip
+    if p.epilogue == "router":
+        _check_select("gemv router", p.out_features, p.top_k)
+        _require(p.out_stride in (0, p.out_features), "gemv router: the logits are [batch, experts] rows (no out_stride)")
     if p.epilogue in ("kda_gate", "gated_rmsnorm"):
         _require(p.head_dim > 0 and p.out_features % p.head_dim == 0, f"gemv {p.epilogue}: head_dim {p.head_dim} must divide {p.out_features}")
     if p.epilogue == "gated_rmsnorm":

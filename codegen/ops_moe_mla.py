@@ -7,7 +7,17 @@ the same offsets from the params with the same formulas (keep the two in step).
 
 from __future__ import annotations
 
-from k3mk.codegen.ops import VECTOR_ELEMENTS, X_SMEM_BUDGET, CodegenError, OpCodegen, _check_batch, _require
+from k3mk.codegen.ops import (
+    MAX_SELECT_EXPERTS,
+    MAX_TOP_K,
+    VECTOR_ELEMENTS,
+    X_SMEM_BUDGET,
+    CodegenError,
+    OpCodegen,
+    _check_batch,
+    _check_select,
+    _require,
+)
 from k3mk.ir.streaming import ACCUMULATOR_BUDGET, COMBINE_BATCH_ROWS, mxfp4_padded
 from k3mk.ir.task_table import (
     ExpertCombineParams,
@@ -23,7 +33,6 @@ from k3mk.ir.task_table import (
 THREADS = 256  # the templates' mapping assumes KernelConfig().threads (checked at emit time by the templates' asserts)
 MXFP4_GROUP = 32  # inputs per UE8M0 scale = one 16-byte load of packed codes
 WEIGHT_FORMATS = ("bfloat16", "mxfp4")
-MAX_TOP_K = 32
 MLA_BLOCK_ROWS = 16  # KV rows staged per block in mla_decode (two n-tiles of its score MMAs)
 MAX_GROUP_HEADS = 16  # heads of one mla_decode task: the M = 16 rows of its score MMAs
 MMA_K = 16  # k per bf16 mma.sync (m16n8k16)
@@ -36,30 +45,23 @@ def _a16(n: int) -> int:
 # ---- router ---------------------------------------------------------------------------------
 
 
-MAX_SELECT_EXPERTS = 32 * 32  # topk_select.py.j2 keeps ceil(E / 32) scores per lane in registers
-
-
 def router_smem_layout(p: RouterParams) -> dict:
     """x (normalised, bf16 [B, dim]) | logits fp32 [B, E] (the selection scores live in registers)."""
     logits = _a16(p.batch * p.dim * 2)
     return {"logits": logits, "total": logits + _a16(p.batch * p.num_experts * 4)}
 
 
-def _check_select(name: str, p: RouterParams | RouterTopkParams) -> None:
-    _check_batch(p.batch)
-    _require(1 <= p.top_k <= min(p.num_experts, MAX_TOP_K), f"{name} top_k {p.top_k} outside [1, min(E, {MAX_TOP_K})]")
-    _require(p.num_experts <= MAX_SELECT_EXPERTS, f"{name}: {p.num_experts} experts > {MAX_SELECT_EXPERTS} (selection scores per lane in registers)")
-
-
 def _check_router(p: RouterParams) -> None:
-    _check_select("router", p)
+    _check_batch(p.batch)
+    _check_select("router", p.num_experts, p.top_k)
     _require(p.dim % VECTOR_ELEMENTS == 0, f"router dim {p.dim} not a multiple of {VECTOR_ELEMENTS}")
     _require(router_smem_layout(p)["total"] <= X_SMEM_BUDGET,
              f"router smem {router_smem_layout(p)['total']} B > {X_SMEM_BUDGET} B: split the logits GEMV from the top-k")  # fmt: skip
 
 
 def _check_router_topk(p: RouterTopkParams) -> None:
-    _check_select("router_topk", p)
+    _check_batch(p.batch)
+    _check_select("router_topk", p.num_experts, p.top_k)
 
 
 # ---- routed experts -------------------------------------------------------------------------

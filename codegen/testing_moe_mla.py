@@ -17,6 +17,7 @@ from k3mk.ir import fused, semantics
 from k3mk.ir.task_table import (
     ExpertCombineParams,
     ExpertGatedParams,
+    GemvParams,
     MlaDecodeParams,
     MlaLatentParams,
     MlaQAbsorbParams,
@@ -41,17 +42,36 @@ class MoeMlaOpsMixin:
     # ---- router (spec 5.2) ----------------------------------------------------------------------
     def router(self, x, weight: int, bias: int, ids, topk_weights, *, top_k: int, renormalize: bool = True,
                scaling: float = 1.0, norm_weight: int | None = None, eps: float = 1e-5, wait: tuple[int, ...] = (),
-               cta: int | None = None, name: str = "router") -> int:  # fmt: skip
-        """ONE task: ids int32 [B, k] and topk_weights fp32 [B, k] of fused.router."""
+               cta: int | None = None, tiles: int = 0, name: str = "router") -> int:  # fmt: skip
+        """ids int32 [B, k] and topk_weights fp32 [B, k] of fused.router: ONE task, or with `tiles` a row-tiled
+        fp32 gemv of the logits whose last tile to arrive selects (GemvParams "router", as
+        passes/emit_task_table.py folds a router_topk), its tiles spread over the CTAs from `cta` on."""
         batch, dim = x.shape
         num_experts = self.weights[weight].shape[0]
-        params = RouterParams(dim, num_experts, batch, top_k, renormalize, scaling, norm_weight is not None, eps)
-        opcode = self._opcode("router", params)
         ev = self.event(name)
-        operands = {"x": x.offset, "ids": ids.offset, "topk_weights": topk_weights.offset, "weight": weight, "bias": bias}
-        if norm_weight is not None:
-            operands["norm_weight"] = norm_weight
-        self._emit(opcode, operands, wait, ev, f"{name}[0]", cta)
+        if tiles:
+            from k3mk.codegen.testing import _split
+
+            logits = self.buffer(f"{name}_logits", "float32", (batch, num_experts))
+            params = GemvParams(dim, num_experts, batch, rmsnorm=norm_weight is not None, eps=eps, epilogue="router",
+                                out_dtype="float32", top_k=top_k, renormalize=renormalize, scaling=scaling)  # fmt: skip
+            opcode = self._opcode("gemv", params)
+            arrivals = self.event(f"{name} arrivals")
+            parts = _split(num_experts, tiles)
+            for i, (begin, count) in enumerate(parts):
+                operands = {"x": x.offset, "out": logits.offset, "weight": weight, "row_begin": begin, "row_count": count,
+                            "bias": bias, "ids": ids.offset, "topk_weights": topk_weights.offset, "arrivals": arrivals,
+                            "tiles": len(parts)}  # fmt: skip
+                if norm_weight is not None:
+                    operands["norm_weight"] = norm_weight
+                self._emit(opcode, operands, wait, ev, f"{name}[{i}]", None if cta is None else (cta + i) % self.num_ctas)
+        else:
+            params = RouterParams(dim, num_experts, batch, top_k, renormalize, scaling, norm_weight is not None, eps)
+            opcode = self._opcode("router", params)
+            operands = {"x": x.offset, "ids": ids.offset, "topk_weights": topk_weights.offset, "weight": weight, "bias": bias}
+            if norm_weight is not None:
+                operands["norm_weight"] = norm_weight
+            self._emit(opcode, operands, wait, ev, f"{name}[0]", cta)
         self.ids_writer[ids.offset] = ev  # the routed experts' producers wait for it (their weight wait)
         w_name, b_name = self.weights[weight].name, self.weights[bias].name
         g_name = None if norm_weight is None else self.weights[norm_weight].name

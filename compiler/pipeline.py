@@ -176,7 +176,7 @@ def replayed_step(output, target: Target, kernel_options: dict[str, int] | None 
     config = KernelConfig(**(kernel_options or {}))
     ring = ring_layout(output.table.variants, config)
     tg = output.task_graph
-    task_bytes = [[(tg.tasks[i].weight_bytes, activation_bytes(tg.tasks[i], tg.graph)) for i in ids] for ids in tg.sm_lists]
+    task_bytes = [[(tg.tasks[i].weight_bytes, activation_bytes(tg.tasks[i], tg.graph)) for i in ids] for ids in output.graph_lists]
     return replay(output.table, task_bytes, RingModel(ring.slots, ring.records, config.warps, ring.slot_bytes), H200_2026_12_03)
 
 
@@ -283,9 +283,9 @@ def compile_artifact(
         "schedule.txt": emitted.text(),
         SUMMARY_FILE: summary(result, replayed),
     }
-    # the cost model's bytes per task, table order (the schedule's SM lists: emit_task_table): what a profile
+    # the cost model's bytes per task, table order (EmittedTable.graph_lists): what a profile
     # build's timeline and the replay with other constants (bench/calibrate.py) need
-    tasks = [emitted.task_graph.tasks[i] for ids in emitted.task_graph.sm_lists for i in ids]
+    tasks = [emitted.task_graph.tasks[i] for ids in emitted.graph_lists for i in ids]
     files["task_bytes.json"] = json.dumps({"weight_bytes": [t.weight_bytes for t in tasks],
                                            "other_bytes": [activation_bytes(t, graph) for t in tasks]})  # fmt: skip
     out = build(emitted.table, out_dir, arch=arch, sm_count=result.target.num_sms, config=KernelConfig(profile=profile, **(kernel_options or {})), meta=meta,

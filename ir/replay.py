@@ -204,5 +204,8 @@ def replay(
         ends[s].append(end + costs.task_overhead)
         step = max(step, end)
         if task.signal is not None:
-            event_done[task.signal] = max(event_done[task.signal], end)
+            # a router GEMV's tiles: the last to arrive selects before its signal (gemv.py.j2 "router"); the
+            # selection is the router_topk task's body without its own hand-off
+            select = costs.direct_time("router_topk", 0) if table.is_router_tile(task) else 0.0
+            event_done[task.signal] = max(event_done[task.signal], end + select)
     return Replay(step, wait_s, body_s, blocked_s, by_op, n, times)

@@ -82,6 +82,7 @@ class TableExecutor:
         self.arena = torch.full((max(table.arena_bytes, 16),), 0xFF, dtype=torch.uint8)
         self.order = table_order(table)
         self.epoch = 0  # the step being run, 1-based (the kernel's epoch); 0 before the first
+        self.arrivals: dict[int, int] = {}  # a router GEMV's arrival count (event id -> adds so far, every step)
         # this rank's comm region (tp > 1); a RankGroup appends every rank's to the pointer table
         self.comm = torch.zeros(table.comm.nbytes, dtype=torch.uint8) if table.comm else None
 
@@ -154,7 +155,7 @@ class TableExecutor:
         norm_eps = p.eps if p.rmsnorm else None
 
         def compute():
-            if p.epilogue == "none":
+            if p.epilogue in ("none", "router"):
                 if p.out_dtype == "float32":
                     return fused.rmsnorm_linear(x, xs[1], W, p.eps, True) if p.rmsnorm else semantics.linear(x, W, fp32=True)
                 if p.residuals:
@@ -181,6 +182,16 @@ class TableExecutor:
         y = self._whole(key, compute, *reads)
         r0, rc = o["row_begin"], o["row_count"]
         self.buf(o["out"], p.out_dtype, (B, p.out_features))[:, r0 : r0 + rc] = y[:, r0 : r0 + rc]
+        if p.epilogue == "router":
+            # the kernel's arrival count (gemv.py.j2): the tile that completes the step's count selects, from
+            # the logits in memory (every tile's, as they are now)
+            e = o["arrivals"]
+            self.arrivals[e] = self.arrivals.get(e, 0) + 1
+            if self.arrivals[e] == o["tiles"] * self.epoch:
+                logits = self.buf(o["out"], "float32", (B, p.out_features))
+                ids, w = semantics.router_topk(logits, self.ptr(o["bias"]), p.top_k, p.renormalize, p.scaling)
+                self.buf(o["ids"], "int32", (B, p.top_k))[:] = ids
+                self.buf(o["topk_weights"], "float32", (B, p.top_k))[:] = w
 
     def _op_rmsnorm(self, p, o, key) -> None:
         x = self.buf(o["x"], "bfloat16", (p.batch, p.dim))

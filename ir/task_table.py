@@ -73,6 +73,11 @@ class GemvParams:
                        a_log [H] and dt_bias [H*D] fp32, lower_bound or softplus form (spec 3.2)
       "gated_rmsnorm"  fused.linear_gated_rmsnorm: fp32 RMS of o over r's head (o_eps) * o_norm_weight
                        [head_dim] fp32 * sigmoid(bf16(y)), bf16 (spec 3.2 o_norm)
+      "router"         the fp32 router logits (out_dtype "float32"), and the router's top-k where the GEMV
+                       finishes (spec 5.2, semantics.router_topk with top_k, renormalize, scaling; PERFORMANCE.md
+                       E5): every tile counts itself on the `arrivals` event, and the tile whose add completes
+                       the step's count (`tiles` adds per step) selects for every request from all the logits,
+                       writing ids / topk_weights; the tiles signal one event, which the experts wait on
     Strides are in elements (0: the natural row length)."""
 
     in_features: int
@@ -92,6 +97,9 @@ class GemvParams:
     lower_bound: float | None = None  # kda_gate; None: the softplus form (Kimi Linear)
     o_eps: float = 1e-5  # gated_rmsnorm
     o_stride: int = 0  # sigmoid_gate, gated_rmsnorm: row stride of o; 0: out_features
+    top_k: int = 0  # router
+    renormalize: bool = False  # router
+    scaling: float = 1.0  # router
 
 
 @dataclass(frozen=True)
@@ -380,7 +388,7 @@ OP_KINDS: Mapping[str, OpKind] = MappingProxyType(
             OpKind("nop", NopParams, ()),
             OpKind("gemv", GemvParams, ("x", "out", "weight", "row_begin", "row_count", "residual", "norm_weight",
                                         "weight_up", "o", "a_log", "dt_bias", "o_norm_weight", "residual2", "residual3",
-                                        "residual4", "x_staged")),
+                                        "residual4", "x_staged", "bias", "ids", "topk_weights", "arrivals", "tiles")),
             OpKind("rmsnorm", RmsnormParams, ("x", "out", "weight", "batch_begin", "batch_count")),
             OpKind("embedding", EmbeddingParams, ("ids", "out", "table", "batch_begin", "batch_count")),
             OpKind("argmax", ArgmaxParams, ("logits", "out", "batch_begin", "batch_count")),
@@ -590,13 +598,27 @@ class TaskTable:
         return sum(len(l) for l in self.lists)
 
     def event_counts(self) -> list[int]:
-        """Signals per step of every event (its expected count)."""
+        """Signals per step of every event (its expected count): the signaller's adds, and a router tile's
+        add on its `arrivals` event (GemvParams "router")."""
         counts = [0] * len(self.events)
         for tasks in self.lists:
             for t in tasks:
                 if t.signal is not None and 0 <= t.signal < len(counts):
                     counts[t.signal] += 1
+                if self.is_router_tile(t) and 0 <= t.operands.get("arrivals", 0) < len(counts):
+                    counts[t.operands.get("arrivals", 0)] += 1
         return counts
+
+    def is_router_tile(self, t: Task) -> bool:
+        """A tile of a router GEMV with the top-k in its epilogue (GemvParams "router")."""
+        if not 0 <= t.opcode < len(self.variants):
+            return False
+        v = self.variants[t.opcode]
+        return v.op == "gemv" and v.params.epilogue == "router"
+
+    def writes_expert_ids(self, t: Task) -> bool:
+        """The task writes a router's expert ids (the one-task routers, or a router GEMV's tiles)."""
+        return (0 <= t.opcode < len(self.variants) and self.variants[t.opcode].op in ("router", "router_topk")) or self.is_router_tile(t)
 
     def buffer(self, name: str) -> BufferSpec:
         for b in self.buffers:
@@ -622,7 +644,7 @@ class TaskTable:
         ids_writers: dict[int, set] = {}  # arena offset of expert ids -> the events of the router tasks writing them
         for tasks in self.lists:
             for t in tasks:
-                if 0 <= t.opcode < len(self.variants) and self.variants[t.opcode].op in ("router", "router_topk"):
+                if self.writes_expert_ids(t):
                     ids_writers.setdefault(t.operands.get("ids", 0), set()).add(t.signal)
         for s, tasks in enumerate(self.lists):
             for i, t in enumerate(tasks):
@@ -658,8 +680,27 @@ class TaskTable:
                     raise TaskTableError(f"{where}: {kind.name} reads expert ids a router task writes (event "
                                          f"{sorted(writers)}), but its producer's weight wait is {t.weight_wait}: it would "
                                          f"stream the experts of stale ids")  # fmt: skip
+        self._check_arrivals(counts)
         self._check_comm()
         self.check_deadlock_free()
+
+    def _check_arrivals(self, counts: list[int]) -> None:
+        """A router GEMV's `arrivals` event counts its tiles' bodies only: each tile says how many adds
+        complete a step (`tiles`, the last tile selects), nobody waits on it and no signaller adds to it."""
+        arrivals, used = {}, set()
+        for s, tasks in enumerate(self.lists):
+            for i, t in enumerate(tasks):
+                used.update(t.wait)
+                used.update(() if t.weight_wait is None else (t.weight_wait,))
+                used.update(() if t.signal is None else (t.signal,))
+                if self.is_router_tile(t):
+                    e, tiles = t.operands.get("arrivals", 0), t.operands.get("tiles", 0)
+                    if not 0 <= e < len(self.events) or tiles != counts[e]:
+                        raise TaskTableError(f"list {s} task {i} ({t.label or 'unlabelled'}): router tile counts itself on event {e} "
+                                             f"as one of {tiles} tiles, and {counts[e] if 0 <= e < len(counts) else 0} tiles add to it")  # fmt: skip
+                    arrivals[e] = t.label
+        for e in sorted(set(arrivals) & used):
+            raise TaskTableError(f"event {e} ({self.events[e].name}) counts router tiles ({arrivals[e]}), and a task waits on or signals it")
 
     def _check_comm(self) -> None:
         """Collectives only in a table with a comm region; each task's slots inside it; every comm counter

@@ -27,9 +27,12 @@ gated_linear, linear_sigmoid_gate, linear_kda_gate, linear_gated_rmsnorm) become
 (prologue + epilogue in GemvParams); mla_latent becomes the `mla_latent` op that also writes the
 latent cache row (the cache and positions come from the mla_cache_write node that consumes it), and
 mla_cache_write a `nop` that keeps the graph's events (it waits on the latent task and signals the
-decode tasks). An unfused router (gate > 256 KB, passes/fuse_epilogue.py) is its fp32 `linear` (gemv
-variants with out_dtype float32) + `router_topk`, one task for all rows; mla_decode tiles are head groups
-of <= mla_decode_group_heads(batch) (passes/tile.py).
+decode tasks). An unfused router (gate > 256 KB, passes/fuse_epilogue.py) is its fp32 `linear`, row-tiled,
+and `router_topk`: the top-k is folded into the GEMV's tiles (`_router_folds`: GemvParams epilogue "router",
+no task of its own and no hand-off on every MoE layer's critical path, PERFORMANCE.md E5). Its tasks wait
+on the logits event instead (the last tile's signal follows its selection), and its own event becomes the
+tiles' arrival count. A router_topk whose logits are not such tiles' alone stays one `router_topk` task.
+mla_decode tiles are head groups of <= mla_decode_group_heads(batch) (passes/tile.py).
 
 Tensor parallelism (tp > 1, docs/task_table.md "Tensor parallelism"): every rank runs this same table.
 all_reduce / all_gather tasks (column chunks of a [rows, cols] operand) get receive slots in the comm
@@ -42,7 +45,7 @@ rank-local ops.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from k3mk.ir.collectives import TP_RANK
@@ -399,6 +402,45 @@ def _router_topk(task: GraphTask, ctx: _Context) -> Lowered:
     return OpVariant("router_topk", params), operands
 
 
+@dataclass(frozen=True)
+class _RouterFold:
+    """A router_topk task folded into the tiles of the fp32 GEMV that writes its logits (module docstring)."""
+
+    topk: int  # the router_topk task (not emitted)
+    tiles: tuple[int, ...]  # the logits GEMV's tasks: they select in their epilogue
+    logits_event: int  # the event the tiles signal: the router_topk's waiters wait on it instead
+    arrivals: int  # the router_topk's own event: the tiles' arrival count
+
+
+def _router_folds(tg: TaskGraph) -> list[_RouterFold]:
+    """Every router_topk task whose one wait is on the event of exactly the tasks writing its logits, each a
+    tile of one fp32 GEMV node that signals nothing else, and whose own event only it signals."""
+    folds = []
+    for t in tg.tasks:
+        if t.op is None or t.op.name != "router_topk" or len(t.waits) != 1 or len(t.signals) != 1:
+            continue
+        (logits_event, _), (arrivals,) = t.waits[0], t.signals
+        tiles = tg.events[logits_event].producers
+        writers = tuple(sorted(w.id for w in tg.tasks if any(r.tensor == t.args[0].tensor for r in w.results)))
+        gemv = all(tg.tasks[i].op.name in ("linear", "rmsnorm_linear") and getattr(tg.tasks[i].op, "fp32", False)
+                   and tg.tasks[i].signals == [logits_event] and tg.tasks[i].node == tg.tasks[tiles[0]].node for i in tiles)  # fmt: skip
+        if gemv and tuple(sorted(tiles)) == writers and tg.events[arrivals].producers == (t.id,):
+            folds.append(_RouterFold(t.id, tuple(tiles), logits_event, arrivals))
+    return folds
+
+
+def _router_tile(tile: GraphTask, lowered: Lowered, fold: _RouterFold, tg: TaskGraph, ctx: _Context) -> Lowered:
+    """A tile of a router's logits GEMV with the router_topk task's selection in its epilogue."""
+    variant, operands = lowered
+    topk_variant, topk_operands = _router_topk(tg.tasks[fold.topk], ctx)
+    p = topk_variant.params
+    if variant.params.out_features != p.num_experts:
+        raise EmitError(f"task t{tile.id} ({tile.node}): {variant.params.out_features} logits per request, the router selects from {p.num_experts}")
+    params = replace(variant.params, epilogue="router", top_k=p.top_k, renormalize=p.renormalize, scaling=p.scaling)
+    operands = {**operands, **{k: topk_operands[k] for k in ("bias", "ids", "topk_weights")}, "arrivals": fold.arrivals, "tiles": len(fold.tiles)}
+    return OpVariant("gemv", params), operands
+
+
 def _activation(task: GraphTask, act) -> dict:
     if isinstance(act, SituMul):
         return {"activation": "situ", "beta": act.beta, "linear_beta": act.linear_beta}
@@ -644,6 +686,7 @@ class EmittedTable:
     task_graph: TaskGraph
     table: TaskTable
     data: bytes
+    graph_lists: list[list[int]]  # per table list, the TaskGraph task of each table task (folded tasks have none)
 
     @property
     def tasks(self) -> list[Task]:
@@ -734,19 +777,28 @@ def emit_task_table(tg: TaskGraph, target: Any = None) -> EmittedTable:
     ctx = _Context(graph, offsets, {n: i for i, n in enumerate(weights)}, {n: len(weights) + i for i, n in enumerate(states)})
     ctx.comm = _comm_layout(tg, ctx, len(weights) + len(states))
     expected = {e.id: e.expected for e in tg.events}
+    folds = _router_folds(tg)
+    folded = {f.topk for f in folds}
+    tile_fold = {i: f for f in folds for i in f.tiles}
+    waits_on = {f.arrivals: f.logits_event for f in folds}  # the folded tasks' waiters wait on the logits event
     variants: dict[OpVariant, int] = {}
     lists: list[list[Task]] = []
+    graph_lists = [[i for i in ids if i not in folded] for ids in tg.sm_lists]
     for ids in tg.sm_lists:
         tasks = []
         staged = None  # (opcode, x tensor, norm weight) of the gemv before this task in the list, if it was one
         for i in ids:
             task = tg.tasks[i]
+            if i in folded:
+                continue
             if len(task.signals) > 1 or len(task.waits) > 2:
                 raise EmitError(f"task t{i} ({task.node}) waits on {len(task.waits)} events and signals {len(task.signals)}: format 3 allows 2 and 1")
             for e, count in task.waits:
                 if count != expected[e]:
                     raise EmitError(f"task t{i} ({task.node}) waits for {count} signals of e{e}, which has {expected[e]} producers")
             variant, operands = LOWER[task.op.name](task, ctx)
+            if i in tile_fold:
+                variant, operands = _router_tile(task, (variant, operands), tile_fold[i], tg, ctx)
             opcode = variants.setdefault(variant, len(variants))
             if variant.op == "gemv":
                 # the input the previous task staged in the op smem is this task's (same variant, same SSA tensor: the
@@ -760,14 +812,15 @@ def emit_task_table(tg: TaskGraph, target: Any = None) -> EmittedTable:
             for e, count in task.weight_waits:
                 if count != expected[e]:
                     raise EmitError(f"task t{i} ({task.node})'s weights wait for {count} signals of e{e}, which has {expected[e]} producers")
-            weight_wait = task.weight_waits[0][0] if task.weight_waits else None
-            tasks.append(Task(opcode, operands, tuple(e for e, _ in task.waits), task.signals[0] if task.signals else None,
-                              f"t{i} {task.node}", weight_wait))  # fmt: skip
+            weight_wait = waits_on.get(task.weight_waits[0][0], task.weight_waits[0][0]) if task.weight_waits else None
+            waits = tuple(dict.fromkeys(waits_on.get(e, e) for e, _ in task.waits))
+            tasks.append(Task(opcode, operands, waits, task.signals[0] if task.signals else None, f"t{i} {task.node}", weight_wait))
         lists.append(tasks)
     table = TaskTable(
         variants=list(variants),
         lists=lists,
-        events=[Event(f"e{e.id} {tg.tasks[e.producers[0]].node}" if e.producers else f"e{e.id}") for e in tg.events],
+        events=[Event(f"e{e.id} {tg.tasks[e.producers[0]].node}{' arrivals' if e.id in waits_on else ''}" if e.producers else f"e{e.id}")
+                for e in tg.events],  # fmt: skip
         weights=[WeightSpec(n, dtype_name(graph.tensors[n].dtype), graph.tensors[n].shape) for n in weights],
         buffers=[
             BufferSpec(n, o, _buffer_dtype(graph.tensors[n]), graph.tensors[n].shape, _ROLE.get(graph.tensors[n].role, "activation"))
@@ -777,4 +830,4 @@ def emit_task_table(tg: TaskGraph, target: Any = None) -> EmittedTable:
         states=[StateSpec(n, dtype_name(graph.tensors[n].dtype), graph.tensors[n].shape, state_layout(n)) for n in states],
         comm=ctx.comm.spec if ctx.comm else None,
     )
-    return EmittedTable(tg, table, table.encode())
+    return EmittedTable(tg, table, table.encode(), graph_lists)

@@ -23,7 +23,7 @@ FIELDS = ["start", "wait_done", "body_end", "smid", "epoch", "produce_start", "p
 def build() -> Build:
     em = compile_graph(load_config("k3-tiny"), 1, 2, 256, until="emit_task_table").output
     tg = em.task_graph
-    task_bytes = [[(tg.tasks[i].weight_bytes, activation_bytes(tg.tasks[i], tg.graph)) for i in ids] for ids in tg.sm_lists]
+    task_bytes = [[(tg.tasks[i].weight_bytes, activation_bytes(tg.tasks[i], tg.graph)) for i in ids] for ids in em.graph_lists]
     return Build(em.table, RingModel(6, 16, 8), task_bytes)
 
 

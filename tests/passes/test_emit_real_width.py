@@ -1,7 +1,8 @@
 """Kimi Linear at its REAL widths (hidden 2304, 32 KDA heads of 128, 32 MLA heads, rank 512, max context
 4096), reduced in depth, lowered to task table format 3 and executed FROM THE TABLE (ir/table_exec.py)
 bit for bit like the interpreter. It exercises what only the real sizes hit: the router too large to
-fuse (a row-tiled fp32 `linear` + the one-task `router_topk` op kind), `mla_decode` split into head
+fuse (a row-tiled fp32 `linear` whose tiles count their arrivals and whose last tile selects: the
+router_topk task folded into the GEMV, passes/emit_task_table.py), `mla_decode` split into head
 groups of <= 8 (the template's limit), and the KV split capped at 64 chunks (mla_v_up's limit; 57-row
 chunks of 4096 would be 72). Then the FULL kimi-linear-48b-a3b kernel builds to one sm_90a cubin."""
 
@@ -58,7 +59,15 @@ def test_real_width_table_executes_like_the_interpreter(name):
     table = TaskTable.decode(out.data)
     assert table == out.table
     ops = Counter(table.variants[t.opcode].op for ts in table.lists for t in ts)
-    assert ops["router_topk"] == 1 and ops["router"] == 0
+    assert ops["router_topk"] == 0 and ops["router"] == 0
+    tiles = [t for ts in table.lists for t in ts if table.is_router_tile(t)]
+    assert len(tiles) > 1 and {t.operands["tiles"] for t in tiles} == {len(tiles)}
+    (arrivals,) = {t.operands["arrivals"] for t in tiles}
+    (logits_event,) = {t.signal for t in tiles}
+    experts = [t for ts in table.lists for t in ts if table.variants[t.opcode].op == "expert_gated"]
+    assert experts and {t.weight_wait for t in experts} == {logits_event}  # the producers wait on the tiles, then the ids
+    assert table.event_counts()[arrivals] == len(tiles)
+    assert not any(arrivals in t.wait or arrivals in (t.signal, t.weight_wait) for ts in table.lists for t in ts)
     decode = [(t.operands.get("head_begin", 0), t.operands["head_count"]) for ts in table.lists for t in ts
               if table.variants[t.opcode].op == "mla_decode"]  # fmt: skip
     (params,) = {table.variants[t.opcode].params for ts in table.lists for t in ts if table.variants[t.opcode].op == "mla_decode"}
@@ -80,7 +89,7 @@ def test_real_width_table_executes_like_the_interpreter(name):
         assert torch.equal(ex.buffer("logits"), expected["logits"])
         assert torch.equal(ex.buffer("next_tokens"), expected["next_tokens"])
         routed = [r.tensor for t in out.task_graph.tasks if t.op.name == "router_topk" for r in t.results]
-        ids = ex.buffer(routed[0])  # the router_topk task's expert ids (the logits above prove they match)
+        ids = ex.buffer(routed[0])  # the last router tile's expert ids (the logits above prove they match)
         assert ids.shape == (1, config.moe.top_k) and len(set(ids.flatten().tolist())) == config.moe.top_k
         for k in state:
             assert torch.equal(ex.pointers[table.state_id(k)], expected[k]), k
@@ -101,5 +110,6 @@ def test_full_kimi_linear_48b_kernel_builds(tmp_path):
     assert (out / m["files"]["cubin"]).read_bytes()[:4] == b"\x7fELF"
     assert m["max_context"] == MAX_CONTEXT and m["num_tasks"] > 30_000
     ops = {v["op"] for v in m["variants"]}
-    assert {"router_topk", "mla_decode", "mla_v_up", "kda_recurrence", "expert_gated"} <= ops
+    assert {"mla_decode", "mla_v_up", "kda_recurrence", "expert_gated"} <= ops and "router_topk" not in ops
+    assert any(v["op"] == "gemv" and v["params"]["epilogue"] == "router" for v in m["variants"])
     print(f"full kimi-linear-48b-a3b build: {time.perf_counter() - t0:.1f} s, {m['num_tasks']} tasks")

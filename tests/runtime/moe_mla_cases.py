@@ -87,15 +87,16 @@ def router_margin_ok(x: torch.Tensor, weights: dict, names: dict, top_k: int, ep
 
 
 def router_case(name: str, batch: int, dim: int, experts: int, top_k: int, norm: bool, renormalize: bool,
-                scaling: float) -> MoeMlaCase:  # fmt: skip
-    b = TableBuilder(2)
+                scaling: float, tiles: int = 0, ctas: int = 2) -> MoeMlaCase:  # fmt: skip
+    """tiles: the router GEMV's tiles select (the last to arrive, on whichever CTA), as emitted for large gates."""
+    b = TableBuilder(ctas)
     x = b.buffer("x", "bfloat16", (batch, dim))
     ids = b.buffer("ids", "int32", (batch, top_k))
     tw = b.buffer("topk_weights", "float32", (batch, top_k))
     gate = b.weight("gate", "bfloat16", (experts, dim))
     bias = b.weight("bias", "float32", (experts,))
     g = b.weight("g", "bfloat16", (dim,)) if norm else None
-    b.router(x, gate, bias, ids, tw, top_k=top_k, renormalize=renormalize, scaling=scaling, norm_weight=g, eps=1e-5, cta=1)
+    b.router(x, gate, bias, ids, tw, top_k=top_k, renormalize=renormalize, scaling=scaling, norm_weight=g, eps=1e-5, cta=1, tiles=tiles)
     names = {"gate": "gate", "bias": "bias", "norm": "g"}
 
     def inputs(gen, weights, step):
@@ -193,9 +194,10 @@ def expert_combine_case(name: str, batch: int, k_in: int, n: int, experts: int, 
     return MoeMlaCase(name, b, "expert_combine", default_weights(b, scale_range), inputs, outputs=["y"])
 
 
-def moe_graph_case() -> MoeMlaCase:
+def moe_graph_case(router_tiles: int = 0) -> MoeMlaCase:
     """router (rmsnorm) -> gated MXFP4 SiTU experts (wait on the router: ids read at run time) -> MXFP4 w2 +
-    combine (waits on the router and the experts), batch 4 over 8 CTAs."""
+    combine (waits on the router and the experts), batch 4 over 8 CTAs. router_tiles: the router's GEMV
+    tiles select (the experts' producers wait on the tiles' event)."""
     batch, dim, experts, top_k, n = 4, 256, 12, 4, 96
     b = TableBuilder(8)
     x = b.buffer("x", "bfloat16", (batch, dim))
@@ -209,7 +211,7 @@ def moe_graph_case() -> MoeMlaCase:
     w1, s1 = b.weight("w1_packed", "uint8", (experts, n, dim // 2)), b.weight("w1_scale", "uint8", (experts, n, dim // 32))
     w3, s3 = b.weight("w3_packed", "uint8", (experts, n, dim // 2)), b.weight("w3_scale", "uint8", (experts, n, dim // 32))
     w2, s2 = b.weight("w2_packed", "uint8", (experts, dim, n // 2)), b.weight("w2_scale", "uint8", (experts, dim, n // 32))
-    e_r = b.router(x, gate, bias, ids, tw, top_k=top_k, norm_weight=g, eps=1e-5, cta=0, name="router")
+    e_r = b.router(x, gate, bias, ids, tw, top_k=top_k, norm_weight=g, eps=1e-5, cta=0, tiles=router_tiles, name="router")
     e_g = b.expert_gated(x, ids, h, w1, w3, scale_gate=s1, scale_up=s3, activation="situ", row_tiles=3, wait=(e_r,), name="experts13")
     b.expert_combine(h, ids, tw, y, w2, scale=s2, row_tiles=6, wait=(e_r, e_g), name="experts2")
     names = {"gate": "gate", "bias": "bias", "norm": "g"}
@@ -222,7 +224,7 @@ def moe_graph_case() -> MoeMlaCase:
                 return {"x": xv}
         raise RuntimeError("no router input with clear margins")
 
-    return MoeMlaCase("moe_graph_b4", b, "moe_graph", default_weights(b, (123, 126)), inputs,
+    return MoeMlaCase(f"moe_graph_b4{'_tiled_router' if router_tiles else ''}", b, "moe_graph", default_weights(b, (123, 126)), inputs,
                       outputs=["ids", "topk_weights", "h", "y"], exact=("ids",), meta={"top_k": top_k})  # fmt: skip
 
 
@@ -305,6 +307,10 @@ def moe_mla_cases() -> list[MoeMlaCase]:
         router_case("router_b4_norm", 4, 1032, 264, 8, norm=True, renormalize=True, scaling=1.0),
         router_case("router_b1", 1, 520, 133, 6, norm=False, renormalize=False, scaling=2.446),
         router_ties_case(),
+        # the router GEMV's tiles select where it finishes (GemvParams "router"): Kimi Linear's 256 experts over 5 of 8
+        # CTAs, K3's 896 at batch 4 over 7 tiles on 4 CTAs (two tiles on a CTA)
+        router_case("router_tiled_b1_norm", 1, 2304, 256, 8, norm=True, renormalize=True, scaling=2.446, tiles=5, ctas=8),
+        router_case("router_tiled_b4", 4, 1032, 896, 8, norm=False, renormalize=False, scaling=1.0, tiles=7, ctas=4),
         expert_gated_case("expert_gated_bf16_silu_b4", 4, 520, 264, 7, 3, "bfloat16", "silu", row_tiles=3, ctas=5),
         expert_gated_case("expert_gated_bf16_situ_b1", 1, 264, 136, 5, 2, "bfloat16", "situ", row_tiles=2, ctas=3),
         # rows cut into 2 chunks (18 KB gated rows), 36 rows x 4 requests per task: rounds of 8 units, chunk by chunk,
@@ -323,6 +329,7 @@ def moe_mla_cases() -> list[MoeMlaCase]:
         expert_combine_case("expert_combine_mxfp4_low_scales_b1", 1, 224, 144, 9, 4, "mxfp4", row_tiles=2, ctas=2, scale_range=(10, 16)),
         expert_combine_case("expert_combine_mxfp4_high_scales_b1", 1, 224, 144, 9, 4, "mxfp4", row_tiles=2, ctas=2, scale_range=(130, 136)),
         moe_graph_case(),
+        moe_graph_case(router_tiles=3),
         mla_case("mla_k3dims_b1", 1, 5, 512, 64, 128, 128, 700, 6, 32, 4, ctas=8),
         mla_case("mla_odd_b4", 4, 3, 136, 24, 40, 24, 157, 3, 16, 2, ctas=6),
         # K3 MLA at T = 8192, batch 1: 96 heads; decode = 22 chunks x 6 groups of 16 heads = 132 tasks.

@@ -86,13 +86,13 @@ def _router_id_views(mk):
     from k3mk.ir.task_table import TaskTable
 
     table = TaskTable.decode(mk.manifest.read_file("task_table"))
-    routers = []
+    routers = {}  # one per router: a router GEMV's tiles all name its ids (any of their labels orders the layers)
     for tasks in table.lists:
         for t in tasks:
-            if table.variants[t.opcode].op == "router":
-                routers.append((int(t.label.split()[0][1:]), t.operands["ids"], table.variants[t.opcode].params))
+            if table.writes_expert_ids(t):
+                routers[t.operands["ids"]] = (int(t.label.split()[0][1:]), t.operands["ids"], table.variants[t.opcode].params)
     views = []
-    for _, offset, p in sorted(routers):
+    for _, offset, p in sorted(routers.values()):
         nbytes = p.batch * p.top_k * 4
         overlapping = [b for b in table.buffers if b.offset < offset + nbytes and offset < b.offset + b.nbytes]
         ok = len(overlapping) == 1
