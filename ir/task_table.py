@@ -598,15 +598,13 @@ class TaskTable:
         return sum(len(l) for l in self.lists)
 
     def event_counts(self) -> list[int]:
-        """Signals per step of every event (its expected count): the signaller's adds, and a router tile's
-        add on its `arrivals` event (GemvParams "router")."""
+        """Signals per step of every event (its expected count). A router GEMV's `arrivals` event counts 0:
+        its tiles' bodies add to it, not the signaller, and nobody waits on it (_check_arrivals)."""
         counts = [0] * len(self.events)
         for tasks in self.lists:
             for t in tasks:
                 if t.signal is not None and 0 <= t.signal < len(counts):
                     counts[t.signal] += 1
-                if self.is_router_tile(t) and 0 <= t.operands.get("arrivals", 0) < len(counts):
-                    counts[t.operands.get("arrivals", 0)] += 1
         return counts
 
     def is_router_tile(self, t: Task) -> bool:
@@ -686,21 +684,19 @@ class TaskTable:
 
     def _check_arrivals(self, counts: list[int]) -> None:
         """A router GEMV's `arrivals` event counts its tiles' bodies only: each tile says how many adds
-        complete a step (`tiles`, the last tile selects), nobody waits on it and no signaller adds to it."""
-        arrivals, used = {}, set()
-        for s, tasks in enumerate(self.lists):
-            for i, t in enumerate(tasks):
-                used.update(t.wait)
-                used.update(() if t.weight_wait is None else (t.weight_wait,))
-                used.update(() if t.signal is None else (t.signal,))
+        complete a step (`tiles`: the last tile selects), nobody waits on it and no signaller adds to it."""
+        tiles: dict[int, list[tuple[str, int]]] = {}
+        waited = {e for ts in self.lists for t in ts for e in (*t.wait, *(() if t.weight_wait is None else (t.weight_wait,)))}
+        for s, ts in enumerate(self.lists):
+            for i, t in enumerate(ts):
                 if self.is_router_tile(t):
-                    e, tiles = t.operands.get("arrivals", 0), t.operands.get("tiles", 0)
-                    if not 0 <= e < len(self.events) or tiles != counts[e]:
-                        raise TaskTableError(f"list {s} task {i} ({t.label or 'unlabelled'}): router tile counts itself on event {e} "
-                                             f"as one of {tiles} tiles, and {counts[e] if 0 <= e < len(counts) else 0} tiles add to it")  # fmt: skip
-                    arrivals[e] = t.label
-        for e in sorted(set(arrivals) & used):
-            raise TaskTableError(f"event {e} ({self.events[e].name}) counts router tiles ({arrivals[e]}), and a task waits on or signals it")
+                    tiles.setdefault(t.operands.get("arrivals", 0), []).append((f"list {s} task {i} ({t.label or 'unlabelled'})", t.operands.get("tiles", 0)))
+        for e, members in tiles.items():
+            if not 0 <= e < len(self.events) or counts[e] or e in waited:
+                raise TaskTableError(f"{members[0][0]}: router tiles count themselves on event {e}, which a task signals or waits on")
+            for where, n in members:
+                if n != len(members):
+                    raise TaskTableError(f"{where}: a router tile of {n} tiles, and {len(members)} tiles count themselves on event {e}")
 
     def _check_comm(self) -> None:
         """Collectives only in a table with a comm region; each task's slots inside it; every comm counter

@@ -115,6 +115,27 @@ def test_validate_rejects_wait_without_signaller():
         table.validate()
 
 
+def test_router_tiles_count_their_arrivals():
+    """The tiles of a router GEMV say how many of them complete a step on their `arrivals` event; that event is
+    theirs alone (no signaller adds to it, no task waits on it)."""
+    table = all_cases()["router_tiled_b4"].builder.table()
+    table.validate()
+    tiles = [(s, i) for s, ts in enumerate(table.lists) for i, t in enumerate(ts) if table.is_router_tile(t)]
+    assert len(tiles) == 7 and table.event_counts()[table.lists[tiles[0][0]][tiles[0][1]].operands["arrivals"]] == 0
+
+    def changed(s, i, **operands):
+        lists = [list(ts) for ts in table.lists]
+        t = lists[s][i]
+        lists[s][i] = replace(t, operands={**t.operands, **operands})
+        return replace(table, lists=lists)
+
+    with pytest.raises(TaskTableError, match="a router tile of 6 tiles, and 7 tiles"):
+        changed(*tiles[0], tiles=6).validate()
+    signal = table.lists[tiles[0][0]][tiles[0][1]].signal
+    with pytest.raises(TaskTableError, match="which a task signals or waits on"):
+        changed(*tiles[0], arrivals=signal).validate()
+
+
 def test_validate_finds_deadlock():
     table = all_cases()["hang"].builder.table()
     with pytest.raises(TaskTableError, match="deadlock: 3 CTAs stuck"):
