@@ -607,6 +607,16 @@ class TaskTable:
                     counts[t.signal] += 1
         return counts
 
+    def counter_steps(self) -> list[int]:
+        """What each event's counter advances by per step: its signals, and a router GEMV's tile count for
+        its arrivals event (the tiles' bodies add to it)."""
+        steps = self.event_counts()
+        for ts in self.lists:
+            for t in ts:
+                if self.is_router_tile(t) and 0 <= t.operands.get("arrivals", 0) < len(steps):
+                    steps[t.operands.get("arrivals", 0)] += 1
+        return steps
+
     def is_router_tile(self, t: Task) -> bool:
         """A tile of a router GEMV with the top-k in its epilogue (GemvParams "router")."""
         if not 0 <= t.opcode < len(self.variants):

@@ -121,7 +121,8 @@ def test_router_tiles_count_their_arrivals():
     table = all_cases()["router_tiled_b4"].builder.table()
     table.validate()
     tiles = [(s, i) for s, ts in enumerate(table.lists) for i, t in enumerate(ts) if table.is_router_tile(t)]
-    assert len(tiles) == 7 and table.event_counts()[table.lists[tiles[0][0]][tiles[0][1]].operands["arrivals"]] == 0
+    arrivals = table.lists[tiles[0][0]][tiles[0][1]].operands["arrivals"]
+    assert len(tiles) == 7 and table.event_counts()[arrivals] == 0 and table.counter_steps()[arrivals] == 7
 
     def changed(s, i, **operands):
         lists = [list(ts) for ts in table.lists]

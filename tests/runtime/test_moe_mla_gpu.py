@@ -186,7 +186,7 @@ def run_case(name: str, steps: int = 3):
         check_step(case, mk, inputs, weights, before, ck, step)
     if mk.epoch != steps:
         ck.fail(f"epoch {mk.epoch} != {steps}")
-    if mk.events.tolist() != [steps * c for c in case.builder.table().event_counts()]:
+    if mk.events.tolist() != [steps * c for c in case.builder.table().counter_steps()]:
         ck.fail(f"event counters {mk.events.tolist()}")
     return case, mk, weights, ck
 
