@@ -20,6 +20,7 @@ from k3mk.codegen.ops import (
 )
 from k3mk.ir.streaming import ACCUMULATOR_BUDGET, COMBINE_BATCH_ROWS, mxfp4_padded
 from k3mk.ir.task_table import (
+    COMBINE_RESIDUAL_OPERANDS,
     ExpertCombineParams,
     ExpertGatedParams,
     MlaDecodeParams,
@@ -96,6 +97,7 @@ def _check_expert_combine(p: ExpertCombineParams) -> None:
     _check_batch(p.batch)
     _check_weight_format("expert_combine", p.weight_format, p.in_features)
     _require(1 <= p.top_k <= p.num_experts, f"expert_combine top_k {p.top_k} outside [1, {p.num_experts}]")
+    _require(0 <= p.residuals <= len(COMBINE_RESIDUAL_OPERANDS), f"expert_combine residuals {p.residuals} outside [0, {len(COMBINE_RESIDUAL_OPERANDS)}]")
     _require(_expert_combine_smem(p) <= X_SMEM_BUDGET, f"expert_combine smem {_expert_combine_smem(p)} B > {X_SMEM_BUDGET} B")
 
 

@@ -122,14 +122,17 @@ class MoeMlaOpsMixin:
         return ev
 
     def expert_combine(self, x, ids, topk_weights, out, w_down: int, *, scale: int | None = None, row_tiles: int = 1,
-                       wait: tuple[int, ...] = (), name: str = "expert_combine") -> int:  # fmt: skip
-        """out [B, d] = moe_combine(w2[ids] x_j, topk_weights); tasks = row tiles (all slots each)."""
+                       residuals: tuple = (), wait: tuple[int, ...] = (), name: str = "expert_combine") -> int:  # fmt: skip
+        """out [B, d] = moe_combine(w2[ids] x_j, topk_weights), then + each of `residuals` (bf16 [B, d] buffers,
+        in order, one rounding each); tasks = row tiles (all slots each)."""
+        from k3mk.ir.task_table import COMBINE_RESIDUAL_OPERANDS
+
         from k3mk.codegen.testing import _split
 
         batch, top_k, k_in = x.shape
         num_experts, n = self.weights[w_down].shape[:2]
         fmt = "bfloat16" if scale is None else "mxfp4"
-        params = ExpertCombineParams(k_in, n, num_experts, batch, top_k, fmt)
+        params = ExpertCombineParams(k_in, n, num_experts, batch, top_k, fmt, len(residuals))
         opcode = self._opcode("expert_combine", params)
         ev = self.event(name)
         for i, (begin, count) in enumerate(_split(n, row_tiles)):
@@ -137,13 +140,16 @@ class MoeMlaOpsMixin:
                         "weight": w_down, "row_begin": begin, "row_count": count}  # fmt: skip
             if scale is not None:
                 operands["scale"] = scale
+            operands.update({k: r.offset for k, r in zip(COMBINE_RESIDUAL_OPERANDS, residuals)})
             self._emit(opcode, operands, wait, ev, f"{name}[{i}]", None, self.ids_writer.get(ids.offset))
         w_name = self.weights[w_down].name
         s_name = None if scale is None else self.weights[scale].name
 
         def step(env, weights):
-            y = _expert_linear(env[x.name], weights, w_name, s_name, env[ids.name])
-            env[out.name] = semantics.moe_combine(y, env[topk_weights.name])
+            y = semantics.moe_combine(_expert_linear(env[x.name], weights, w_name, s_name, env[ids.name]), env[topk_weights.name])
+            for r in residuals:
+                y = semantics.add(env[r.name], y)
+            env[out.name] = y
 
         self._steps.append(step)
         return ev

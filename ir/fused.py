@@ -200,29 +200,49 @@ class ExpertGatedLinearMXFP4(Op):
     activation: Activation
 
 
-def expert_linear_combine(x: Tensor, weight: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
-    return semantics.moe_combine(semantics.expert_linear(x, weight, ids), weights)
+def _add_residuals(y: Tensor, residuals: list[Tensor]) -> Tensor:
+    for r in residuals:
+        y = semantics.add(r, y)
+    return y
+
+
+def expert_linear_combine(residuals: list[Tensor], x: Tensor, weight: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+    return _add_residuals(semantics.moe_combine(semantics.expert_linear(x, weight, ids), weights), residuals)
+
+
+class _CombineResiduals(Op):
+    """The combines' leading residuals: r_n + (... + (r_1 + combine)), one rounding per add as in the
+    unfused graph (passes/fuse_residual.py: the MoE "+ shared" and the residual stream add, so the shared
+    expert's down projection leaves the critical path)."""
+
+    variadic: ClassVar[bool] = True
+    core_inputs: ClassVar[int] = 4
+
+    def num_list_inputs(self, total: int) -> int:
+        return total - self.core_inputs
 
 
 @op("expert_linear_combine", semantics_fn=expert_linear_combine)
-class ExpertLinearCombine(Op):
-    """(a [B, k, in], w2 [E, out, in], ids [B, k], weights [B, k]) -> sum_j weights_j * (w2[ids_j] a_j) [B, out]:
-    the down projection with the routing combine in its epilogue (spec 5.3). Each slot's product is rounded
-    to the activation dtype, the weighted sum runs in fp32 and is rounded ONCE, as in `moe_combine`.
+class ExpertLinearCombine(_CombineResiduals):
+    """(*residuals [B, out], a [B, k, in], w2 [E, out, in], ids [B, k], weights [B, k]) -> the residuals
+    added to sum_j weights_j * (w2[ids_j] a_j) [B, out]: the down projection with the routing combine in
+    its epilogue (spec 5.3). Each slot's product is rounded to the activation dtype, the weighted sum runs
+    in fp32 and is rounded ONCE, as in `moe_combine`; then each residual add rounds once.
     Tiles: output rows; a tile covers ALL slots of its rows (the fp32 sum over slots stays in one task)."""
 
     weight_index_input: ClassVar[int | None] = -2  # ids
 
 
-def expert_linear_mxfp4_combine(x: Tensor, packed: Tensor, scale: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
-    return semantics.moe_combine(semantics.expert_linear_mxfp4(x, packed, scale, ids), weights)
+def expert_linear_mxfp4_combine(residuals: list[Tensor], x: Tensor, packed: Tensor, scale: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+    return _add_residuals(semantics.moe_combine(semantics.expert_linear_mxfp4(x, packed, scale, ids), weights), residuals)
 
 
 @op("expert_linear_mxfp4_combine", semantics_fn=expert_linear_mxfp4_combine)
-class ExpertLinearMXFP4Combine(Op):
+class ExpertLinearMXFP4Combine(_CombineResiduals):
     """`expert_linear_combine` with an MXFP4 w2 (packed [E, out, in/2] u8, scale [E, out, in/32] u8)."""
 
     weight_index_input: ClassVar[int | None] = -2  # ids
+    core_inputs: ClassVar[int] = 5
 
 
 # --- weight-absorbed MLA decode (spec 4.3) ------------------------------------------------------------

@@ -26,7 +26,7 @@ import torch
 
 from k3mk.ir import collectives, fused, semantics
 from k3mk.ir.ops import SiluMul, SituMul
-from k3mk.ir.task_table import COLLECTIVE_OPS, MAX_ATTN_RES_SOURCES, TaskTable
+from k3mk.ir.task_table import COLLECTIVE_OPS, COMBINE_RESIDUAL_OPERANDS, MAX_ATTN_RES_SOURCES, TaskTable
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8}
 RESIDUALS = ("residual", "residual2", "residual3", "residual4")
@@ -282,12 +282,14 @@ class TableExecutor:
         ids = self.buf(o["ids"], "int32", (B, p.top_k))
         w = self.buf(o["topk_weights"], "float32", (B, p.top_k))
 
+        rs = [self.buf(o[n], "bfloat16", (B, p.out_features)) for n in COMBINE_RESIDUAL_OPERANDS[: p.residuals]]
+
         def compute():
             if p.weight_format == "mxfp4":
-                return fused.expert_linear_mxfp4_combine(x, self.ptr(o["weight"]), self.ptr(o["scale"]), ids, w)
-            return fused.expert_linear_combine(x, self.ptr(o["weight"]), ids, w)
+                return fused.expert_linear_mxfp4_combine([r.clone() for r in rs], x, self.ptr(o["weight"]), self.ptr(o["scale"]), ids, w)
+            return fused.expert_linear_combine([r.clone() for r in rs], x, self.ptr(o["weight"]), ids, w)
 
-        y = self._whole(key, compute, x, ids, w)
+        y = self._whole(key, compute, x, ids, w, *rs)
         r0, rc = o["row_begin"], o["row_count"]
         self.buf(o["out"], "bfloat16", (B, p.out_features))[:, r0 : r0 + rc] = y[:, r0 : r0 + rc]
 

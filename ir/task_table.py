@@ -238,7 +238,9 @@ class ExpertGatedParams:
 class ExpertCombineParams:
     """Spec 5.3 (fused.expert_linear[_mxfp4]_combine): rows [row_begin, +row_count) of
     out[b, r] = bf16(sum_j topk_weights[b, j] * bf16(w2[ids[b, j], r] . x[b, j])), the slot sum in fp32 in
-    slot order, ALL slots in one task. x [batch, top_k, in] bf16; w2 [E, out, in] bf16 or MXFP4."""
+    slot order, ALL slots in one task. x [batch, top_k, in] bf16; w2 [E, out, in] bf16 or MXFP4. Then
+    `residuals` (0..2) bf16 [batch, out] rows added in order, each add rounded to bf16 (the MoE "+ shared"
+    and the residual stream: passes/fuse_residual.py)."""
 
     in_features: int
     out_features: int
@@ -246,6 +248,10 @@ class ExpertCombineParams:
     batch: int
     top_k: int
     weight_format: str = "bfloat16"  # or "mxfp4"
+    residuals: int = 0
+
+
+COMBINE_RESIDUAL_OPERANDS = ("residual", "residual2")  # expert_combine's residuals, in add order
 
 
 @dataclass(frozen=True)
@@ -404,7 +410,7 @@ OP_KINDS: Mapping[str, OpKind] = MappingProxyType(
             OpKind("expert_gated", ExpertGatedParams, ("x", "ids", "out", "weight", "weight_up", "scale", "scale_up",
                                                        "slot", "row_begin", "row_count")),
             OpKind("expert_combine", ExpertCombineParams, ("x", "ids", "topk_weights", "out", "weight", "scale",
-                                                           "row_begin", "row_count")),
+                                                           "row_begin", "row_count", "residual", "residual2")),
             OpKind("mla_latent", MlaLatentParams, ("x", "positions", "norm_weight", "cache", "batch_begin", "batch_count")),
             OpKind("mla_q_absorb", MlaQAbsorbParams, ("x", "out", "weight", "head_begin", "head_count")),
             OpKind("mla_decode", MlaDecodeParams, ("q", "positions", "out", "lse", "cache", "request", "chunk",

@@ -53,6 +53,7 @@ from k3mk.ir.graph import Graph, Role
 from k3mk.ir.ops import SiluMul, SituMul
 from k3mk.ir.task_table import (
     COLLECTIVE_OPS,
+    COMBINE_RESIDUAL_OPERANDS,
     MAX_ATTN_RES_SOURCES,
     AddParams,
     ArgmaxCombineParams,
@@ -475,11 +476,15 @@ def _expert_gated(task: GraphTask, ctx: _Context) -> Lowered:
 
 def _expert_combine(task: GraphTask, ctx: _Context) -> Lowered:
     mxfp4 = "mxfp4" in task.op.name
+    n = task.op.num_list_inputs(len(task.args))
+    residuals, args = task.args[:n], task.args[n:]
     if mxfp4:
-        x, w2, s2, ids, weights = task.args
+        x, w2, s2, ids, weights = args
     else:
-        x, w2, ids, weights = task.args
+        x, w2, ids, weights = args
         s2 = None
+    if len(residuals) > len(COMBINE_RESIDUAL_OPERANDS):
+        raise EmitError(f"task t{task.id} ({task.node}): expert_combine adds up to {len(COMBINE_RESIDUAL_OPERANDS)} residuals, the task adds {len(residuals)}")
     (out,) = task.results
     batch, out_features = ctx.shape(out)
     _, top_k, _ = ctx.shape(x)
@@ -488,9 +493,14 @@ def _expert_combine(task: GraphTask, ctx: _Context) -> Lowered:
         raise EmitError(f"task t{task.id} ({task.node}): expert_combine tiles rows of all requests, the tile is {out.text()}")
     e, _, k = ctx.shape(w2)
     params = ExpertCombineParams(in_features=k * 2 if mxfp4 else k, out_features=out_features, num_experts=e, batch=batch,
-                                 top_k=top_k, weight_format="mxfp4" if mxfp4 else "bfloat16")  # fmt: skip
+                                 top_k=top_k, weight_format="mxfp4" if mxfp4 else "bfloat16", residuals=len(residuals))  # fmt: skip
     operands = {"x": ctx.arena(task, x.tensor), "ids": ctx.arena(task, ids.tensor), "topk_weights": ctx.arena(task, weights.tensor),
                 "out": ctx.arena(task, out.tensor), "weight": ctx.weight(w2.tensor), "row_begin": r0, "row_count": r1 - r0}  # fmt: skip
+    for name, r in zip(COMBINE_RESIDUAL_OPERANDS, residuals):
+        ctx.dtype(task, r)
+        if ctx.shape(r) != (batch, out_features):
+            raise EmitError(f"task t{task.id} ({task.node}): residual {r.tensor} shape {ctx.shape(r)} != out {(batch, out_features)}")
+        operands[name] = ctx.arena(task, r.tensor)
     if mxfp4:
         operands["scale"] = ctx.weight(s2.tensor)
     return OpVariant("expert_combine", params), operands

@@ -304,15 +304,18 @@ def _expert_slots(ctx: Context, node: Node) -> list[Task]:
 
 @rule("expert_linear_combine", "expert_linear_mxfp4_combine")
 def _expert_combine(ctx: Context, node: Node) -> list[Task]:
-    """(a [B, k, in], *weights [E, out, ...], ids, routing weights) -> [B, out]: row tiles covering ALL
-    slots (the fp32 sum over slots stays in one task), so a tile streams its rows of B*k experts."""
-    weights = list(range(1, len(node.inputs) - 2))
-    batch, k, in_features = ctx.shape(node.inputs[0])
-    rows = ctx.shape(node.inputs[1])[1]
+    """(*residuals [B, out], a [B, k, in], *weights [E, out, ...], ids, routing weights) -> [B, out]: row
+    tiles covering ALL slots (the fp32 sum over slots stays in one task), so a tile streams its rows of
+    B*k experts; a tile reads its columns of every residual."""
+    n = node.op.num_list_inputs(len(node.inputs))
+    weights = list(range(n + 1, len(node.inputs) - 2))
+    batch, k, in_features = ctx.shape(node.inputs[n])
+    rows = ctx.shape(node.inputs[n + 1])[1]
     row_bytes = _expert_row_bytes(ctx, node, weights) * batch * k
     tasks = []
     for r in split(rows, task_count(rows * row_bytes, ctx.num_sms), ROW_GRANULE):
         args = {w: sub(ctx.shape(node.inputs[w]), {1: r}) for w in weights}
+        args.update({i: sub(ctx.shape(node.inputs[i]), {1: r}) for i in range(n)})
         out = sub(ctx.shape(node.outputs[0]), {1: r})
         tasks.append(
             ctx.task(node, {"rows": r}, args, [out], weight_bytes=(r[1] - r[0]) * row_bytes,

@@ -158,6 +158,20 @@ def test_every_expected_fusion_fires_on_k3_tiny():
     assert not left, f"unfused ops left: {left}"
 
 
+def test_kimi_linear_moe_adds_go_to_the_routed_combine():
+    """Routed + shared and the residual stream add land on the routed combine (the end of the layer's
+    critical path); the shared expert's down projection is a plain GEMV beside the routed experts."""
+    fused = fuse(captured("kimi-linear-small", 1), Target(load_config("kimi-linear-tiny")))
+    combines = [n for n in fused.nodes if n.op.name == "expert_linear_combine"]
+    assert len(combines) == 3 and fusion_counts(fused)["add->expert_linear_combine"] == 6
+    producers = {o: n for n in fused.nodes for o in n.outputs}
+    for c in combines:
+        shared, stream = c.inputs[:2]
+        assert c.op.num_list_inputs(len(c.inputs)) == 2
+        assert producers[shared].op.name == "linear" and "shared_experts.down_proj" in producers[shared].inputs[-1]
+        assert producers[stream].op.name == "linear_residual"  # the attention block's o_proj + residual
+
+
 def test_kimi_linear_keeps_the_norm_its_experts_read():
     fused = fuse(captured("kimi-linear-small", 1), Target(load_config("kimi-linear-tiny")))
     norms = [n for n in fused.nodes if isinstance(n.op, RMSNorm)]
@@ -321,10 +335,15 @@ def case_expert_gated_linear(dt):
 def case_expert_linear_combine(dt):
     a, (ids, weights) = rand(B, K, 64, dtype=dt), routing(1)
     w2 = rand(E, 31, 64, dtype=dt, seed=2)
-    results = [(ev(F.ExpertLinearCombine(), a, w2, ids, weights), one(MoECombine(), one(ExpertLinear(), a, w2, ids), weights))]
+    combine = one(MoECombine(), one(ExpertLinear(), a, w2, ids), weights)
+    results = [(ev(F.ExpertLinearCombine(), a, w2, ids, weights), combine)]
+    # the MoE "+ shared" and the residual stream add in its epilogue (fuse_residual), one rounding each
+    shared, stream = rand(B, 31, dtype=dt, seed=4), rand(B, 31, dtype=dt, seed=5)
+    results.append((ev(F.ExpertLinearCombine(), shared, stream, a, w2, ids, weights), one(Add(), stream, one(Add(), combine, shared))))
     packed, scale = mxfp4(E, 31, 64, 3)
     fused = ev(F.ExpertLinearMXFP4Combine(), a, packed, scale, ids, weights)
     results.append((fused, one(MoECombine(), one(ExpertLinearMXFP4(), a, packed, scale, ids), weights)))
+    results.append((ev(F.ExpertLinearMXFP4Combine(), shared, a, packed, scale, ids, weights), one(Add(), fused, shared)))
     return results
 
 

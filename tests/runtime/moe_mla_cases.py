@@ -173,23 +173,26 @@ def expert_gated_case(name: str, batch: int, k_in: int, n: int, experts: int, to
 
 
 def expert_combine_case(name: str, batch: int, k_in: int, n: int, experts: int, top_k: int, fmt: str, row_tiles: int,
-                        ctas: int, scale_range: tuple[int, int] = (118, 121)) -> MoeMlaCase:  # fmt: skip
+                        ctas: int, scale_range: tuple[int, int] = (118, 121), residuals: int = 0) -> MoeMlaCase:  # fmt: skip
+    """residuals: bf16 rows the combine adds in its epilogue (the MoE "+ shared" and the residual stream)."""
     b = TableBuilder(ctas)
     x = b.buffer("x", "bfloat16", (batch, top_k, k_in))
     ids = b.buffer("ids", "int32", (batch, top_k))
     tw = b.buffer("topk_weights", "float32", (batch, top_k))
+    rs = [b.buffer(f"r{i}", "bfloat16", (batch, n)) for i in range(residuals)]
     y = b.buffer("y", "bfloat16", (batch, n))
     if fmt == "mxfp4":
         w2 = b.weight("w2_packed", "uint8", (experts, n, k_in // 2))
         s2 = b.weight("w2_scale", "uint8", (experts, n, k_in // 32))
     else:
         w2, s2 = b.weight("w2", "bfloat16", (experts, n, k_in)), None
-    b.expert_combine(x, ids, tw, y, w2, scale=s2, row_tiles=row_tiles)
+    b.expert_combine(x, ids, tw, y, w2, scale=s2, row_tiles=row_tiles, residuals=rs)
 
     def inputs(gen, weights, step):
         return {"x": _randn(gen, (batch, top_k, k_in), "cpu").to(torch.bfloat16),
                 "ids": _distinct_ids(gen, batch, top_k, experts, "cpu"),
-                "topk_weights": torch.rand((batch, top_k), generator=gen) + 0.1}  # fmt: skip
+                "topk_weights": torch.rand((batch, top_k), generator=gen) + 0.1,
+                **{r.name: _randn(gen, (batch, n), "cpu", 4.0).to(torch.bfloat16) for r in rs}}  # fmt: skip
 
     return MoeMlaCase(name, b, "expert_combine", default_weights(b, scale_range), inputs, outputs=["y"])
 
@@ -321,6 +324,9 @@ def moe_mla_cases() -> list[MoeMlaCase]:
         expert_gated_case("expert_gated_mxfp4_situ_b1", 1, 544, 208, 9, 4, "mxfp4", "situ", row_tiles=2, ctas=3),
         expert_gated_case("expert_gated_mxfp4_silu_b4", 4, 256, 72, 5, 2, "mxfp4", "silu", row_tiles=2, ctas=4),
         expert_combine_case("expert_combine_bf16_b4", 4, 264, 520, 7, 3, "bfloat16", row_tiles=5, ctas=4),
+        # Kimi Linear's MoE output: the shared expert's output and the residual stream added in the epilogue
+        expert_combine_case("expert_combine_bf16_residuals_b2", 2, 264, 520, 7, 3, "bfloat16", row_tiles=5, ctas=4, residuals=2),
+        expert_combine_case("expert_combine_mxfp4_residual_b1", 1, 224, 272, 9, 4, "mxfp4", row_tiles=3, ctas=3, residuals=1),
         # 16.5 KB rows in 2 chunks, 9 slots: a round of 8 slots and a round of 1, chunk by chunk
         expert_combine_case("expert_combine_bf16_b2_chunked", 2, 8448, 40, 11, 9, "bfloat16", row_tiles=2, ctas=2),
         expert_combine_case("expert_combine_mxfp4_b1", 1, 224, 272, 9, 4, "mxfp4", row_tiles=3, ctas=3),
