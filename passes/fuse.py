@@ -8,7 +8,7 @@ The rules, each in its own file, in this order (later rules see earlier rules' o
   fuse_expert_combine   moe_combine into the expert down projection                        (spec 5.3)
   fuse_epilogue         kda_gate, MLA sigmoid gate, KDA gated o_norm, router top-k into their GEMV
   fuse_norm             rmsnorm into every GEMV-family reader (prologue)                   (spec 7)
-  fuse_residual         residual / prefix / "+ shared" adds into a GEMV epilogue            (spec 2)
+  fuse_residual         residual / prefix / "+ shared" adds into a GEMV or combine epilogue (spec 2)
 
 Guarantees to `tile`: the graph verifies; it computes what its input computed, exactly except the
 absorbed MLA (float summation order); every rule that fired is listed in graph.meta["fusions"] as

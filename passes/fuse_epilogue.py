@@ -7,7 +7,8 @@
 The router fusion makes ONE task stream the whole [E, d] gate matrix, on the critical path of every
 MoE layer, so it is applied only while that matrix is small (ROUTER_FUSE_MAX_BYTES: ~7 us at one SM's
 share of an H200's bandwidth). Larger routers (Kimi Linear 1.2 MB, K3 12.8 MB) keep a row-tiled fp32
-GEMV spread over all SMs and a one-task router_topk.
+GEMV spread over all SMs and a router_topk, which emit_task_table folds into the GEMV's tiles (the last
+tile to arrive selects).
 
 Guarantees: exact; the GEMV's result is consumed in registers. The fused ops are written without a norm
 prologue (`norm_eps=None`); `fuse_norm` adds it where the GEMV's input is an rmsnorm.

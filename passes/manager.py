@@ -46,7 +46,12 @@ class Target:
     flop_rate: float = 0.989e15  # dense bf16 flop/s
     device_name: str = "H200"
     event_latency: float = 1.0e-6  # producer signal -> waiting SM sees it (measured 1.02 us/hop on an H200, docs/megakernel.md)
-    task_overhead: float = 0.3e-6  # per task, not overlapped (cost-model guess)
+    # per task, not overlapped: the engine's fixed part of a small task (H200, ir/replay.py H200_2026_12_03: a
+    # streaming task's prologue / epilogue / barrier 3.1 us, kda_conv 5.3, mla_decode 2.4). At the old 0.3 us guess
+    # the schedule piled a layer's small tasks (kda_conv, MLA decode) 4 deep on one SM once the shared expert's down
+    # projection left the MoE critical path (+2.2% on Kimi Linear b1, BENCHMARKS.md 2026-12-03 evening); the
+    # replay of 1.5 us: Kimi Linear b1 -3.9%, K3 proxy b1 / b4 -0.7% / -1.4%, Kimi Linear b4 +0.8%
+    task_overhead: float = 1.5e-6
 
     @staticmethod
     def for_arch(config: ModelConfig, arch: str = "sm_90a", **fields: Any) -> "Target":

@@ -48,7 +48,7 @@ from k3mk.passes.check_deadlock import execution_order
 
 # Defaults for the two latencies when the target does not carry them (see CostModel).
 DEFAULT_EVENT_LATENCY_S = 1.0e-6  # tuned cross-SM hand-off (cutedsl_notes: 2.5 us naive on H200)
-DEFAULT_TASK_OVERHEAD_S = 0.3e-6  # fetch the task record, dispatch, barrier + release signal
+DEFAULT_TASK_OVERHEAD_S = 1.5e-6  # a small task's fixed part on the engine (passes/manager.py Target.task_overhead)
 
 
 class ScheduleError(ValueError):
