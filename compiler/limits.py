@@ -118,10 +118,14 @@ def kernel_records(config: ModelConfig, tp: int, batch: int, max_context: int) -
         fmt = "mxfp4" if moe.expert_format == "mxfp4" else "bfloat16"
         act = {"activation": "situ", "beta": c.situ_beta, "linear_beta": c.situ_linear_beta} if c.activation == "situ" else {"activation": "silu"}
         common = {"num_experts": moe.num_experts, "batch": batch, "top_k": moe.top_k}
+        # the MoE adds the combine takes (passes/fuse_residual.py): + shared, then the residual stream; none where the
+        # combine feeds the latent up-projection or an all-reduce (tp > 1)
+        combine_residuals = 0 if moe.latent_size or tp > 1 else 1 + (moe.num_shared_experts > 0)
         records += [
             ("the routed experts' input width (routed_expert_hidden_size or hidden_size)",
              OpVariant("expert_gated", ExpertGatedParams(in_features=width, out_features=inner, weight_format=fmt, **common, **act))),
-            ("moe_intermediate_size", OpVariant("expert_combine", ExpertCombineParams(in_features=inner, out_features=width, weight_format=fmt, **common))),
+            ("moe_intermediate_size", OpVariant("expert_combine", ExpertCombineParams(in_features=inner, out_features=width, weight_format=fmt,
+                                                                                        residuals=combine_residuals, **common))),
             ("num_experts and num_experts_per_token",  # the top-k half of the router, fused with its GEMV or not
              OpVariant("router_topk", RouterTopkParams(renormalize=moe.renormalize, scaling=moe.routed_scaling_factor, **common))),
         ]  # fmt: skip
