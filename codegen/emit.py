@@ -36,6 +36,7 @@ _ENV = jinja2.Environment(
 )
 _ENV.globals.update(mxfp4_padded=mxfp4_padded, MXFP4_SPAN=MXFP4_SPAN)  # the MXFP4 experts' staged-x geometry
 _ENV.globals.update(COMBINE_BATCH_ROWS=COMBINE_BATCH_ROWS)  # expert_combine's batches of row groups (ir/streaming.py)
+_ENV.globals.update(COMBINE_RESIDUAL_OPERANDS=tt.COMBINE_RESIDUAL_OPERANDS)  # expert_combine's residuals, in add order
 _ENV.globals.update(BLOCK_SUMS=BLOCK_SUMS, group_size=group_size)
 
 
