@@ -327,7 +327,7 @@ OP_CODEGEN: dict[str, OpCodegen] = {
     "embedding": OpCodegen("embedding.py.j2", _none, _check_embedding),
     "argmax": OpCodegen("argmax.py.j2", _none, _check_argmax),
     "add": OpCodegen("add.py.j2", _none, _check_add),
-    "kda_conv": OpCodegen("kda_conv.py.j2", _none, _check_kda_conv),
+    "kda_conv": OpCodegen("kda_conv.py.j2", _none, _check_kda_conv, produce=True),
     "kda_recurrence": OpCodegen("kda_recurrence.py.j2", _none, _check_kda_recurrence, produce=True),
     "attn_res": OpCodegen("attn_res.py.j2", _attn_res_smem, _check_attn_res),
 }

@@ -317,3 +317,63 @@ def test_ring_words_fit_the_layout(tmp_path, debug, profile):
     end = (mod.WATCHDOG + 24) if debug else (mod.CONSUMER_STATS + 24)
     assert mod.RECORD_DONE + mod.RECORDS * 8 <= mod.SLOT_SEQ and mod.RECORD_STATUS + mod.RECORDS * 4 <= mod.PRODUCER_STATS
     assert end <= ring.total == mod.SMEM_BYTES
+
+
+def test_l2_look_ahead_prefetches_the_rows_of_the_task_ahead():
+    """KernelConfig.l2_ahead_tasks = D: the producer loads task t + D's record word beside task t's and hands it to
+    the look-ahead of the variants whose weights do not depend on the step (gemv; the routed experts' do); a gemv's
+    `_ahead` prefetches that task's rows from row_begin on, up to the per-task cap (split over weight and weight_up
+    when gated). Off (the default), the source has none of it; out-of-range knobs are refused."""
+    from k3mk.codegen.ops import variant_code
+
+    variants = [OpVariant("gemv", GemvParams(2304, 4096, 1, rmsnorm=True)),
+                OpVariant("expert_gated", ExpertGatedParams(2304, 1024, 256, 1, 8)),
+                OpVariant("gemv", GemvParams(2304, 9216, 1, rmsnorm=True, epilogue="silu_mul"))]  # fmt: skip
+    assert "_ahead" not in emit_source(variants)
+    config = KernelConfig(l2_ahead_tasks=2, l2_ahead_bytes=256 * 1024)
+    source = emit_source(variants, config)
+    producer = source[source.index("def producer("):source.index("def waiter(")]
+    assert "(tasks + (t + 2) * TASK_WORDS + lane)" in producer
+    assert re.findall(r"if ahead_opcode == (\d+):", producer) == ["0", "2"]
+    for index, per_stream, streams in ((0, 128 * 1024, ("weight",)), (2, 64 * 1024, ("weight", "weight_up"))):
+        code = variant_code(index, variants[index], config)
+        ahead = source[source.index(f"def {code.fn}_ahead("):source.index(f"def {code.fn}_run(")]
+        assert f"shuffle_sync(record, {code.operand('row_count')}) * {2304 * 2}, {per_stream})" in ahead
+        starts = re.findall(r"l2_prefetch\(weight_base\(weights, cute.arch.shuffle_sync\(record, (\d+)\)\), Int64\(row_begin\) \* (\d+), nbytes", ahead)
+        assert starts == [(str(code.operand(s)), str(2304 * 2)) for s in streams]
+        assert f"row_begin = cute.arch.shuffle_sync(record, {code.operand('row_begin')})" in ahead
+    for bad in (KernelConfig(l2_ahead_tasks=9), KernelConfig(l2_ahead_tasks=1, l2_ahead_bytes=1 << 20),
+                KernelConfig(l2_ahead_tasks=4, l2_ahead_bytes=32)):  # fmt: skip
+        with pytest.raises(ValueError, match="l2_ahead"):
+            emit_source(variants, bad)
+
+
+@pytest.mark.parametrize("batch, width, channels, begin, count", [(1, 4, 4096, 384, 128), (4, 4, 200, 40, 160), (3, 2, 64, 0, 64)])
+def test_kda_conv_producer_prefetches_what_the_body_reads(batch, width, channels, begin, count):
+    """kda_conv's producer half brings into L2 exactly the state bytes the task's body reads and rewrites
+    (state[b, j, g * P + c] for its channels c: an independent model of the [B, W-1, 3P] layout) and its channels'
+    taps of q, k and v ([P, 1, W] fp32 each): the rendered offset and size expressions, evaluated."""
+    from k3mk.ir.task_table import KdaConvParams
+
+    source = emit_source([OpVariant("kda_conv", KdaConvParams(channels, batch, width))])
+    produce = source[source.index("def op0_kda_conv_produce("):source.index("def op0_kda_conv_run(")]
+    rows = int(re.search(r"if i < (\d+):", produce).group(1))
+    state = re.search(r"cp_async_bulk_prefetch\(gmem_ptr\(state, Uint8, (.+)\), (.+)\)\n", produce)
+    taps = re.search(r"cp_async_bulk_prefetch\(gmem_ptr\(taps, Uint8, (.+)\), (.+)\)\n", produce)
+    env = {"Int64": int, "c0": begin, "cc": count}
+    fetched = set()
+    for i in range(rows):
+        start, size = eval(state.group(1), {**env, "i": i}), eval(state.group(2), env)
+        assert start % 16 == 0 and size % 16 == 0
+        fetched |= set(range(start, start + size))
+    read = {((b * (width - 1) + j) * 3 * channels + g * channels + c) * 2 + e for b in range(batch) for j in range(width - 1)
+            for g in range(3) for c in range(begin, begin + count) for e in range(2)}  # fmt: skip
+    assert fetched == read
+    start, size = eval(taps.group(1), env), eval(taps.group(2), env)
+    assert (start, size) == (begin * width * 4, count * width * 4)  # taps [c, 0, j] of channels [begin, +count), fp32
+    assert f"cutlass.range(lane, {rows + 3}, 32)" in produce  # one lane per state row, then one per q, k, v taps
+    from k3mk.codegen.ops import variant_code
+
+    code = variant_code(0, OpVariant("kda_conv", KdaConvParams(channels, batch, width)), KernelConfig())
+    assert [code.operand(w) for w in ("weight_q", "weight_k", "weight_v")] == [code.operand("weight_q") + g for g in range(3)]
+    assert f"task[{code.operand('weight_q')} + i - {rows}]" in produce
