@@ -70,17 +70,6 @@ class KernelConfig:
     # is latency bound with 8 consumer warps, 2 per scheduler; measured 2026-12-02 on the K3-size gated expert GEMV:
     # 1 / 2 / 4 spans gave 2.34 / 2.55 / 2.54 TB/s, BENCHMARKS.md)
     mxfp4_unroll: int = 0
-    # The producer's L2 look-ahead (docs/megakernel.md "The streaming task loop"): as it takes task t, it prefetches
-    # into L2 the weights of task t + l2_ahead_tasks (ops with static weight addresses: gemv), up to
-    # l2_ahead_bytes / l2_ahead_tasks bytes of each, so HBM keeps streaming what comes next while a full ring waits
-    # for its consumers (0: off)
-    l2_ahead_tasks: int = 0
-    l2_ahead_bytes: int = 256 * 1024
-
-    @property
-    def l2_ahead_task_bytes(self) -> int:
-        """The look-ahead's prefetch cap per task (a multiple of 16 bytes)."""
-        return self.l2_ahead_bytes // max(1, self.l2_ahead_tasks) // 16 * 16
 
     @property
     def warps(self) -> int:
@@ -91,7 +80,7 @@ class KernelConfig:
         return self.threads + PRODUCER_THREADS + HANDOFF_THREADS
 
 
-KERNEL_TUNING = ("slot_bytes", "ring_bytes", "records", "gemv_unroll", "mxfp4_unroll", "l2_ahead_tasks", "l2_ahead_bytes")  # `k3mk compile --kernel-option` knobs
+KERNEL_TUNING = ("slot_bytes", "ring_bytes", "records", "gemv_unroll", "mxfp4_unroll")  # `k3mk compile --kernel-option` knobs
 
 
 @dataclass(frozen=True)
@@ -101,7 +90,6 @@ class OpCodegen:
     check: Callable[[object], None]
     produce: bool = False  # a producer half beyond the streamed fills (kda_recurrence: L2 prefetch of its state)
     sync: bool = False  # the op waits inside its body (module docstring)
-    ahead: bool = False  # an `_ahead` half: the producer's L2 look-ahead of a later task's weights (KernelConfig)
 
 
 @dataclass(frozen=True)
@@ -201,7 +189,6 @@ class VariantCode:
     tuning: object = None
     plan: FillPlan | None = None
     sync: bool = False
-    ahead: bool = False  # the template has a look-ahead half (`_ahead`)
 
     @property
     def stream(self) -> bool:
@@ -322,7 +309,7 @@ def _none(p: object) -> int:
 
 OP_CODEGEN: dict[str, OpCodegen] = {
     "nop": OpCodegen("nop.py.j2", _none, lambda p: None),
-    "gemv": OpCodegen("gemv.py.j2", _gemv_op_smem, _check_gemv, ahead=True),
+    "gemv": OpCodegen("gemv.py.j2", _gemv_op_smem, _check_gemv),
     "rmsnorm": OpCodegen("rmsnorm.py.j2", _none, _check_rmsnorm),
     "embedding": OpCodegen("embedding.py.j2", _none, _check_embedding),
     "argmax": OpCodegen("argmax.py.j2", _none, _check_argmax),
@@ -349,8 +336,7 @@ def variant_code(index: int, variant: OpVariant, config: KernelConfig, x_limit: 
         plan = fill_plan(variant.op, variant.params, config.slot_bytes)
     except StreamingError as e:
         raise CodegenError(str(e)) from None
-    return VariantCode(index, variant.op, variant.params, f"op{index}_{variant.op}", gen.produce or plan is not None, tuning, plan, gen.sync,
-                       gen.ahead and config.l2_ahead_tasks > 0)
+    return VariantCode(index, variant.op, variant.params, f"op{index}_{variant.op}", gen.produce or plan is not None, tuning, plan, gen.sync)
 
 
 def _op_smem(variant: OpVariant, x_limit: int = X_SMEM_BUDGET) -> int:
