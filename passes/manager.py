@@ -52,11 +52,6 @@ class Target:
     # projection left the MoE critical path (+2.2% on Kimi Linear b1, BENCHMARKS.md 2026-12-03 evening); the
     # replay of 1.5 us: Kimi Linear b1 -3.9%, K3 proxy b1 / b4 -0.7% / -1.4%, Kimi Linear b4 +0.8%
     task_overhead: float = 1.5e-6
-    # per task of these IR ops, on top: the engine's measured fixed time of an op that reads its inputs straight from
-    # memory (ir/replay.py H200_2026_12_03.direct; H200 figures for every arch until another is measured). Without
-    # them the schedule priced kda_conv (5.3 us a task, a few KB) by its bytes and put a layer's conv tasks two
-    # deep on one SM; the replay with them: Kimi Linear b1 -2.7% (2026-12-03 night, BENCHMARKS.md)
-    op_fixed: tuple[tuple[str, float], ...] = field(default_factory=lambda: measured_op_fixed())
 
     @staticmethod
     def for_arch(config: ModelConfig, arch: str = "sm_90a", **fields: Any) -> "Target":
@@ -66,13 +61,6 @@ class Target:
         name, bandwidth, flops, sms = ARCHS[arch]
         defaults = dict(num_sms=sms, bandwidth=bandwidth, flop_rate=flops, device_name=name)
         return Target(config=config, arch=arch, **{**defaults, **fields})
-
-
-def measured_op_fixed() -> tuple[tuple[str, float], ...]:
-    """(IR op, fixed s per task) of the replay's measured direct ops (Target.op_fixed)."""
-    from k3mk.ir.replay import H200_2026_12_03
-
-    return tuple((op, fixed) for op, (fixed, _) in sorted(H200_2026_12_03.direct.items()))
 
 
 Pass = Callable[[Any, Target], Any]

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -64,27 +64,23 @@ class CostModel:
     sm_flop_rate: float  # flop/s per SM
     event_latency: float  # s from a producer's signal to a waiting SM seeing it
     task_overhead: float  # s per task, not overlapped
-    op_fixed: dict[str, float] = field(default_factory=dict)  # IR op -> s per task on top (Target.op_fixed)
 
     @staticmethod
     def for_target(target) -> "CostModel":
-        """The target's nominal figures; `event_latency` / `task_overhead` / `op_fixed` when the target has them."""
+        """The target's nominal figures; `event_latency` / `task_overhead` when the target has them."""
         return CostModel(
             sm_bandwidth=target.bandwidth / target.num_sms,
             sm_flop_rate=target.flop_rate / target.num_sms,
             event_latency=getattr(target, "event_latency", DEFAULT_EVENT_LATENCY_S),
             task_overhead=getattr(target, "task_overhead", DEFAULT_TASK_OVERHEAD_S),
-            op_fixed=dict(getattr(target, "op_fixed", ())),
         )
 
     def times(self, task: Task, graph: Graph) -> tuple[float, float]:
         """(body, tail) of `task`: its time with the data at hand, and what remains once its weights
-        are in (module docstring); an op's fixed time (op_fixed) is in both."""
+        are in (module docstring)."""
         act = activation_bytes(task, graph)
         compute = task.flops / self.sm_flop_rate
-        fixed = self.op_fixed.get(task.op.name, 0.0) if task.op is not None else 0.0
-        return (max((task.weight_bytes + act) / self.sm_bandwidth, compute) + fixed,
-                max(act / self.sm_bandwidth, compute) + fixed)  # fmt: skip
+        return max((task.weight_bytes + act) / self.sm_bandwidth, compute), max(act / self.sm_bandwidth, compute)
 
     def finish(self, sm_free: float, data_ready: float, body: float, tail: float) -> float:
         """When a task ends that its SM reaches at `sm_free` and whose data is there at `data_ready`."""

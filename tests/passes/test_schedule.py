@@ -157,23 +157,3 @@ def test_roofline_matches_the_spec_for_the_k3_twin():
     state = sum(t.nbytes for t in graph.by_role(Role.STATE))
     assert state < roof["state"] < 2 * state  # read all, write all but the latent cache (one row)
     assert math.isclose(roof["total"], roof["weights"] + roof["experts"] + roof["state"])
-
-
-def test_measured_op_times_price_small_tasks():
-    """Target.op_fixed, the engine's measured fixed time per task of the ops that read straight from memory
-    (ir/replay.py H200_2026_12_03.direct), is in such a task's body and tail; a task of another op costs its bytes."""
-    from k3mk.ir.replay import H200_2026_12_03
-    from k3mk.passes.schedule import activation_bytes
-
-    config = load_config("k3-tiny")
-    target = Target.for_arch(config, num_sms=132, max_tokens=1, max_context=16)
-    tg = run_pipeline(capture(config, 1, 16, BF16), target, until("schedule")).output
-    model, bare = CostModel.for_target(target), CostModel.for_target(Target.for_arch(config, op_fixed=()))
-    seen = set()
-    for t in tg.tasks:
-        fixed = H200_2026_12_03.direct[t.op.name][0] if t.op.name in H200_2026_12_03.direct else 0.0
-        nbytes = t.weight_bytes + activation_bytes(t, tg.graph)
-        assert bare.times(t, tg.graph)[0] == pytest.approx(max(nbytes / model.sm_bandwidth, t.flops / model.sm_flop_rate))
-        assert [a - b for a, b in zip(model.times(t, tg.graph), bare.times(t, tg.graph))] == pytest.approx([fixed, fixed], abs=1e-12)
-        seen.add((t.op.name, fixed > 0))
-    assert {("kda_conv", True), ("kda_recurrence", True), ("linear", False)} <= seen
