@@ -4,10 +4,11 @@ the kernel's shared-memory map (the op smem, then the streaming ring: `ring_layo
 
 Every op template (codegen/templates/<op>.py.j2) renders, for one variant `v`:
   def {{ v.fn }}_run(task, arena, weights, smem, scratch, iscratch, tidx, warp, lane[, fill])   (always)
-  def {{ v.fn }}_fills(task) -> Int32                                      (ops that stream: `v.plan`)
+  def {{ v.fn }}_fills(task, smem) -> Int32                                (ops that stream: `v.plan`)
   def {{ v.fn }}_produce(task, arena, weights, smem, fill, ...) -> Int32   (ops with a producer half)
 as `@cute.jit` functions. `_run` is the consumer half: the CTA's consumer warps run it after the
-task's waits; an op that streams reads its weights from the ring fills [fill, fill + _fills(task)).
+task's waits; an op that streams reads its weights from the ring fills [fill, fill + _fills(task, smem))
+(a grouped expert_gated's count depends on the step's routing: its `_run` leaves it in its op smem).
 `_produce` is the producer half: ONE lane of the producer warp runs it when it reaches the task,
 ahead of the consumers, and returns the next fill index; it issues the task's fills (or only L2
 prefetches) and, except for the routed experts (ir/streaming.py PRODUCER_WAITS), never waits on an

@@ -90,7 +90,8 @@ def _staged_features(fmt: str, in_features: int) -> int:
 
 
 def _expert_gated_smem(p: ExpertGatedParams) -> int:
-    return p.batch * _staged_features(p.weight_format, p.in_features) * 2
+    # every request's input, then (batch > 1) the task's experts: the slot each request chose each in, and their count
+    return p.batch * _staged_features(p.weight_format, p.in_features) * 2 + (p.batch * p.batch + 1) * 4
 
 
 def _check_expert_combine(p: ExpertCombineParams) -> None:

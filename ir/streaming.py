@@ -16,8 +16,10 @@ each round chunk-major (`chunk_major`: chunk c of every unit of the round, then 
 fills a ring holds are every warp's work, not all the chunks of one or two warps' rows:
 
   gemv            units = row groups g, warp g % warps
-  expert_gated    for b in batch: units = row groups g, warp (b * groups + g) % warps  (expert ids[b, slot]; rounds
-                  within a request: the producer reads no id and divides nothing per fill)
+  expert_gated    for u in the task's experts: units = row groups g, warp (u * groups + g) % warps  (rounds within an
+                  expert: the producer divides nothing per fill). At batch > 1 the task's experts are the step's
+                  distinct experts n = slot, slot + top_k, ... (`routing_units`), each applied to every request
+                  that chose it: a weight row is read once per step, not once per (request, slot)
   expert_combine  for b in batch: for batches of COMBINE_BATCH_ROWS rows of row groups: for rounds of `warps`
                   slots: for g in the batch: the round's slots j are the units, warp j % warps (expert ids[b, j];
                   its requests and row-group batches run one after another, a barrier between them)
@@ -173,18 +175,33 @@ class FillPlan:
     def groups(self, row_count: int) -> int:
         return -(-row_count // self.rows)
 
-    def task_fills(self, row_count: int) -> int:
-        """Fills of a task of `row_count` rows, in every request (and routing slot) it covers."""
-        reps = self.batch * (self.top_k if self.op == "expert_combine" else 1) if self.op != "gemv" else 1
+    @property
+    def grouped(self) -> bool:
+        """Whether a task's experts are the step's distinct experts (`routing_units`), each streamed once and applied
+        to every request that chose it: expert_gated at batch > 1 with whole rows per fill. A row cut into chunks
+        would need each request's partial sums kept across the chunks (registers per request): there every
+        (request, slot) streams its own expert's rows, as at batch 1."""
+        return self.op == "expert_gated" and self.batch > 1 and self.chunks == 1
+
+    def task_fills(self, row_count: int, units: int | None = None) -> int:
+        """Fills of a task of `row_count` rows, in every request (and routing slot) it covers; a grouped task
+        (`grouped`) streams `units` experts, at most (the default) `batch`: the step's routing decides."""
+        if self.op == "gemv":
+            reps = 1
+        elif self.op == "expert_gated":
+            reps = self.batch if units is None else units
+        else:
+            reps = self.batch * self.top_k
         return reps * self.groups(row_count) * self.chunks
 
-    def owners(self, row_count: int, warps: int) -> list[int]:
+    def owners(self, row_count: int, warps: int, units: int | None = None) -> list[int]:
         """The consumer warp of each fill of a task, in issue order (module docstring)."""
         groups = self.groups(row_count)
         if self.op == "gemv":
             return [g % warps for g, _ in chunk_major(groups, warps, self.chunks)]
         if self.op == "expert_gated":
-            return [(b * groups + g) % warps for b in range(self.batch) for g, _ in chunk_major(groups, warps, self.chunks)]
+            n = self.batch if units is None else units
+            return [(u * groups + g) % warps for u in range(n) for g, _ in chunk_major(groups, warps, self.chunks)]
         batch_groups = max(1, COMBINE_BATCH_ROWS // self.rows)
         out = []
         for _ in range(self.batch):
@@ -269,6 +286,26 @@ def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | 
                 raise StreamingError(f"{op} stream {st.operand!r}: a row of {k} elements gives copies that are not multiples of {VECTOR_BYTES} bytes")
     assert plan.slot_need <= slot_bytes
     return plan
+
+
+def routing_units(ids: list[list[int]]) -> list[tuple[int, dict[int, int]]]:
+    """The step's distinct experts in the order a grouped expert_gated (FillPlan.grouped) numbers them, from the
+    router's ids [batch][top_k]: (expert, {request: slot}) per distinct expert, in the order of each expert's first
+    routing pair p = request * top_k + slot. Unit n belongs to the task of slot n % top_k, as its unit n // top_k,
+    so every task holds ceil or floor(units / top_k) of them whatever the routing (no straggler SM when all
+    requests choose the same experts). The templates compute this in one warp (expert_units.py.j2); this is its
+    model for the tests and the replay."""
+    units: dict[int, dict[int, int]] = {}
+    for b, row in enumerate(ids):
+        for j, e in enumerate(row):
+            units.setdefault(e, {})[b] = j
+    return list(units.items())
+
+
+def task_units(ids: list[list[int]], slot: int) -> list[tuple[int, dict[int, int]]]:
+    """The units of the grouped expert_gated task of routing slot `slot` (`routing_units`)."""
+    top_k = len(ids[0])
+    return routing_units(ids)[slot::top_k]
 
 
 def producer_waits(op: str) -> bool:

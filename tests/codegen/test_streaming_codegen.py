@@ -112,11 +112,14 @@ def test_fill_counts_and_owners():
     assert (long.rows, long.chunks, long.chunk) == (1, 5, 6912)  # 5 chunks of 13.5 KB
     assert long.task_fills(3) == 15 and long.owners(3, 8) == [0, 1, 2] * 5  # chunk-major: the 3 rows side by side
     gated = fill_plan("expert_gated", ExpertGatedParams(3584, 3072, 64, 2, 16, "mxfp4", "situ"), 16 * 1024)
-    assert gated.rows == 4 and gated.task_fills(10) == 2 * 3  # 3 groups of 4 rows per request
-    assert gated.owners(10, 8) == [0, 1, 2, 3, 4, 5]
-    # bf16 gated rows of 18 KB in 2 chunks: rounds within each request, chunk by chunk
+    assert gated.rows == 4 and gated.task_fills(10) == 2 * 3  # 3 groups of 4 rows per expert, at most 2 experts
+    assert gated.grouped and gated.task_fills(10, units=1) == 3  # both requests chose the task's one expert
+    assert gated.owners(10, 8) == [0, 1, 2, 3, 4, 5] and gated.owners(10, 8, units=1) == [0, 1, 2]
+    # bf16 gated rows of 18 KB in 2 chunks: rounds within each request, chunk by chunk; not grouped (each request's
+    # partial sums would have to live across the chunks)
     chunked = fill_plan("expert_gated", ExpertGatedParams(4608, 72, 5, 2, 2, "bfloat16", "silu"), 16 * 1024)
     assert (chunked.rows, chunked.chunks) == (1, 2) and chunked.owners(3, 8) == [0, 1, 2, 0, 1, 2, 3, 4, 5, 3, 4, 5]
+    assert not chunked.grouped and not fill_plan("expert_gated", ExpertGatedParams(3584, 3072, 64, 1, 16, "mxfp4", "situ")).grouped
     combine = fill_plan("expert_combine", ExpertCombineParams(1024, 2304, 256, 2, 8), 16 * 1024)
     assert combine.rows == 8 and combine.task_fills(20) == 2 * 3 * 8  # requests x groups x slots
     assert combine.owners(20, 8) == list(range(8)) * 6  # every row group's 8 slots over the 8 warps

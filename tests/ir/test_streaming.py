@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from k3mk.ir.streaming import RingModel, check_ring, fill_plan
+from k3mk.ir.streaming import RingModel, check_ring, fill_plan, routing_units, task_units
 from k3mk.ir.task_table import (
     ExpertGatedParams,
     Event,
@@ -112,3 +112,27 @@ def test_an_expert_whose_producer_would_not_wait_for_its_router_is_refused():
                                              r"producer's weight wait is None"):  # fmt: skip
         table_of([[router], [expert]]).validate()
     table_of([[router], [dataclasses.replace(expert, weight_wait=0)]]).validate()
+
+
+def test_routing_units_number_the_distinct_experts_by_their_first_pair():
+    """A grouped expert_gated's experts (FillPlan.grouped): each distinct expert once, with the slot each request chose
+    it in, numbered in the order of its first (request, slot) pair; unit n goes to the task of slot n % top_k."""
+    ids = [[3, 1, 4], [1, 5, 9], [2, 6, 5]]
+    assert routing_units(ids) == [(3, {0: 0}), (1, {0: 1, 1: 0}), (4, {0: 2}), (5, {1: 1, 2: 2}), (9, {1: 2}), (2, {2: 0}),
+                                  (6, {2: 1})]  # fmt: skip
+    assert [[e for e, _ in task_units(ids, j)] for j in range(3)] == [[3, 5, 6], [1, 9], [4, 2]]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_routing_units_cover_every_pair_once_and_balance_the_tasks(seed):
+    rng = random.Random(seed)
+    batch, top_k, experts = rng.choice([(2, 4, 9), (4, 16, 64), (4, 8, 256), (8, 16, 64), (16, 16, 896)])
+    skew = rng.random() < 0.3  # every request on the same experts
+    chosen = rng.sample(range(experts), top_k)
+    ids = [rng.sample(chosen, top_k) if skew else rng.sample(range(experts), top_k) for _ in range(batch)]
+    units = routing_units(ids)
+    assert len(units) == len({e for row in ids for e in row}) and (not skew or len(units) == top_k)
+    pairs = sorted((b, j, e) for e, slots in units for b, j in slots.items())
+    assert pairs == sorted((b, j, e) for b, row in enumerate(ids) for j, e in enumerate(row))
+    counts = [len(task_units(ids, j)) for j in range(top_k)]
+    assert sum(counts) == len(units) and max(counts) - min(counts) <= 1 and max(counts) <= batch

@@ -73,6 +73,13 @@ def _distinct_ids(gen: torch.Generator, batch: int, top_k: int, num_experts: int
     return torch.stack(rows).to(torch.int32)
 
 
+def _same_ids(gen: torch.Generator, batch: int, top_k: int, num_experts: int, device: str) -> torch.Tensor:
+    """Every request chooses the same experts, each in its own random slot order (skewed routing: a grouped
+    expert_gated streams each expert once for all requests)."""
+    chosen = torch.randperm(num_experts, generator=gen, device=device)[:top_k]
+    return torch.stack([chosen[torch.randperm(top_k, generator=gen, device=device)] for _ in range(batch)]).to(torch.int32)
+
+
 # ---- router ---------------------------------------------------------------------------------------------
 
 
@@ -144,7 +151,7 @@ def router_ties_case() -> MoeMlaCase:
 
 
 def expert_gated_case(name: str, batch: int, k_in: int, n: int, experts: int, top_k: int, fmt: str, activation: str,
-                      row_tiles: int, ctas: int) -> MoeMlaCase:  # fmt: skip
+                      row_tiles: int, ctas: int, same_experts: bool = False) -> MoeMlaCase:  # fmt: skip
     b = TableBuilder(ctas)
     x = b.buffer("x", "bfloat16", (batch, k_in))
     ids = b.buffer("ids", "int32", (batch, top_k))
@@ -167,7 +174,7 @@ def expert_gated_case(name: str, batch: int, k_in: int, n: int, experts: int, to
 
     def inputs(gen, weights, step):
         return {"x": _randn(gen, (batch, k_in), "cpu", 2.0).to(torch.bfloat16),
-                "ids": _distinct_ids(gen, batch, top_k, experts, "cpu")}  # fmt: skip
+                "ids": (_same_ids if same_experts else _distinct_ids)(gen, batch, top_k, experts, "cpu")}  # fmt: skip
 
     return MoeMlaCase(name, b, "expert_gated", default_weights(b, scale_range, overrides), inputs, outputs=["y"])
 
@@ -316,6 +323,11 @@ def moe_mla_cases() -> list[MoeMlaCase]:
         router_case("router_tiled_b4", 4, 1032, 896, 8, norm=False, renormalize=False, scaling=1.0, tiles=7, ctas=4),
         expert_gated_case("expert_gated_bf16_silu_b4", 4, 520, 264, 7, 3, "bfloat16", "silu", row_tiles=3, ctas=5),
         expert_gated_case("expert_gated_bf16_situ_b1", 1, 264, 136, 5, 2, "bfloat16", "situ", row_tiles=2, ctas=3),
+        # batch > 1 streams the step's distinct experts once each (ir/streaming.py routing_units): every request on the
+        # same experts in its own slot order; 48 routing pairs (two registers of the warp's grouping, expert_units.py.j2)
+        expert_gated_case("expert_gated_bf16_silu_b4_same", 4, 520, 264, 7, 3, "bfloat16", "silu", row_tiles=3, ctas=5, same_experts=True),
+        expert_gated_case("expert_gated_bf16_silu_b4_k12", 4, 264, 136, 20, 12, "bfloat16", "silu", row_tiles=2, ctas=6),
+        expert_gated_case("expert_gated_mxfp4_situ_b4_same", 4, 544, 208, 9, 4, "mxfp4", "situ", row_tiles=2, ctas=3, same_experts=True),
         # rows cut into 2 chunks (18 KB gated rows), 36 rows x 4 requests per task: rounds of 8 units, chunk by chunk,
         # the last round short (ir/streaming.py chunk_major)
         expert_gated_case("expert_gated_bf16_silu_b4_chunked", 4, 4608, 72, 5, 2, "bfloat16", "silu", row_tiles=2, ctas=2),
