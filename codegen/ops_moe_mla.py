@@ -90,8 +90,9 @@ def _staged_features(fmt: str, in_features: int) -> int:
 
 
 def _expert_gated_smem(p: ExpertGatedParams) -> int:
-    # every request's input, then (batch > 1) the task's experts: the slot each request chose each in, and their count
-    return p.batch * _staged_features(p.weight_format, p.in_features) * 2 + (p.batch * p.batch + 1) * 4
+    # every request's input, then (batch > 1) the task's experts: per expert its requests' count and (request, slot)
+    # words, then their count (expert_gated.py.j2)
+    return p.batch * _staged_features(p.weight_format, p.in_features) * 2 + (p.batch * (p.batch + 1) + 1) * 4
 
 
 def _check_expert_combine(p: ExpertCombineParams) -> None:

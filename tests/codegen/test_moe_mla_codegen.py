@@ -111,6 +111,7 @@ def test_bf16_experts_compile(cache):
     ptx, _ = _compile([
         OpVariant("expert_gated", ExpertGatedParams(520, 264, 7, 4, 3, "bfloat16", "silu")),
         OpVariant("expert_gated", ExpertGatedParams(264, 136, 5, 1, 2, "bfloat16", "situ", linear_beta=None)),
+        OpVariant("expert_gated", ExpertGatedParams(4608, 72, 5, 4, 2, "bfloat16", "silu")),  # rows in chunks: not grouped
         OpVariant("expert_combine", ExpertCombineParams(264, 520, 7, 4, 3, "bfloat16")),
     ])  # fmt: skip
     assert "ld.global.v4" in ptx and "cvt.rn.bf16.f32" in ptx
