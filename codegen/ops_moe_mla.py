@@ -107,7 +107,13 @@ def _expert_combine_smem(p: ExpertCombineParams) -> int:
     # each warp's slot input (one slot per warp and round, not all top_k: the op smem is every op's), then
     # bf16(dot) per slot of one batch of row groups (at most max(BATCH_ROWS, a group's rows <=
     # ACCUMULATOR_BUDGET)) in fp32
-    return THREADS // 32 * _staged_features(p.weight_format, p.in_features) * 2 + p.top_k * max(COMBINE_BATCH_ROWS, ACCUMULATOR_BUDGET) * 4
+    # (batch > 1, grouped: the terms of every request's slots, a batch of COMBINE_BATCH_ROWS * 4 // batch rows, and
+    # the pairs sorted by expert with each round's first fill, expert_combine.py.j2)
+    x = THREADS // 32 * _staged_features(p.weight_format, p.in_features) * 2
+    if p.batch == 1:
+        return x + p.top_k * max(COMBINE_BATCH_ROWS, ACCUMULATOR_BUDGET) * 4
+    pairs = p.batch * p.top_k
+    return x + pairs * max(COMBINE_BATCH_ROWS * 4 // p.batch, ACCUMULATOR_BUDGET) * 4 + (pairs + -(-pairs // (THREADS // 32)) + 1) * 4
 
 
 # ---- MLA ------------------------------------------------------------------------------------

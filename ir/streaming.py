@@ -22,7 +22,11 @@ fills a ring holds are every warp's work, not all the chunks of one or two warps
                   that chose it: a weight row is read once per step, not once per (request, slot)
   expert_combine  for b in batch: for batches of COMBINE_BATCH_ROWS rows of row groups: for rounds of `warps`
                   slots: for g in the batch: the round's slots j are the units, warp j % warps (expert ids[b, j];
-                  its requests and row-group batches run one after another, a barrier between them)
+                  its requests and row-group batches run one after another, a barrier between them). At batch > 1
+                  (grouped): the step's (request, slot) pairs sorted by unit (`routing_units`), then request; for
+                  batches of row groups: for rounds of `warps` pairs (warp = place in the round): for g in the
+                  batch: each unit of the round is ONE fill, which all the round's warps holding its pairs read
+                  (their releases add up to one slot's: ring.py.j2 ring_release)
 
 A warp consumes its fills in order and releases each one before it reaches any CTA barrier; that, and a
 producer that waits only for an event complete before its task's consumers may start (a routed expert's
@@ -177,11 +181,18 @@ class FillPlan:
 
     @property
     def grouped(self) -> bool:
-        """Whether a task's experts are the step's distinct experts (`routing_units`), each streamed once and applied
-        to every request that chose it: expert_gated at batch > 1 with whole rows per fill. A row cut into chunks
-        would need each request's partial sums kept across the chunks (registers per request): there every
-        (request, slot) streams its own expert's rows, as at batch 1."""
-        return self.op == "expert_gated" and self.batch > 1 and self.chunks == 1
+        """Whether a task streams each of the step's distinct experts (`routing_units`) once for all the requests that
+        chose it: the routed experts at batch > 1 with whole rows per fill. A row cut into chunks would need each
+        request's partial sums kept across the chunks (registers per request): there every (request, slot) streams
+        its own expert's rows, as at batch 1."""
+        return self.op in ("expert_gated", "expert_combine") and self.batch > 1 and self.chunks == 1
+
+    @property
+    def batch_groups(self) -> int:
+        """expert_combine: row groups per batch, whose terms wait in smem for the slot-order sum: COMBINE_BATCH_ROWS
+        rows per request's slots, or grouped, the terms of all requests' slots: 4 requests' worth (8 KB at top-16)."""
+        rows = COMBINE_BATCH_ROWS * 4 // self.batch if self.grouped else COMBINE_BATCH_ROWS
+        return max(1, rows // self.rows)
 
     def task_fills(self, row_count: int, units: int | None = None) -> int:
         """Fills of a task of `row_count` rows, in every request (and routing slot) it covers; a grouped task
@@ -202,8 +213,14 @@ class FillPlan:
         if self.op == "expert_gated":
             n = self.batch if units is None else units
             return [(u * groups + g) % warps for u in range(n) for g, _ in chunk_major(groups, warps, self.chunks)]
-        batch_groups = max(1, COMBINE_BATCH_ROWS // self.rows)
+        batch_groups = self.batch_groups
         out = []
+        if self.grouped:  # at most: every pair its own expert (the step's routing decides)
+            pairs = self.batch * self.top_k
+            for g0 in range(0, groups, batch_groups):
+                for r0 in range(0, pairs, warps):
+                    out += [k % warps for _ in range(min(batch_groups, groups - g0)) for k in range(r0, min(r0 + warps, pairs))]
+            return out
         for _ in range(self.batch):
             for g0 in range(0, groups, batch_groups):
                 for j0 in range(0, self.top_k, warps):
@@ -302,6 +319,13 @@ def routing_units(ids: list[list[int]]) -> list[tuple[int, dict[int, int]]]:
         for j, e in enumerate(row):
             units.setdefault(e, {})[b] = j
     return list(units.items())
+
+
+def combine_rounds(ids: list[list[int]], warps: int) -> list[list[int]]:
+    """A grouped expert_combine's rounds: the (request, slot) pairs sorted by unit (`routing_units`) then request, `warps`
+    at a time (warp = place in the round), as the experts of each round, one fill per expert and row group."""
+    pairs = [e for e, slots in routing_units(ids) for _ in slots]
+    return [sorted(set(pairs[r : r + warps]), key=pairs.index) for r in range(0, len(pairs), warps)]
 
 
 def task_units(ids: list[list[int]], slot: int) -> list[tuple[int, dict[int, int]]]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from k3mk.ir.streaming import RingModel, check_ring, fill_plan, routing_units, task_units
+from k3mk.ir.streaming import RingModel, check_ring, combine_rounds, fill_plan, routing_units, task_units
 from k3mk.ir.task_table import (
     ExpertGatedParams,
     Event,
@@ -121,6 +121,8 @@ def test_routing_units_number_the_distinct_experts_by_their_first_pair():
     assert routing_units(ids) == [(3, {0: 0}), (1, {0: 1, 1: 0}), (4, {0: 2}), (5, {1: 1, 2: 2}), (9, {1: 2}), (2, {2: 0}),
                                   (6, {2: 1})]  # fmt: skip
     assert [[e for e, _ in task_units(ids, j)] for j in range(3)] == [[3, 5, 6], [1, 9], [4, 2]]
+    # the combine's pairs by expert: 3 | 1 1 | 4 | 5 5 | 9 | 2 | 6; in rounds of 5 warps expert 5 straddles two rounds
+    assert combine_rounds(ids, 4) == [[3, 1, 4], [5, 9, 2], [6]] and combine_rounds(ids, 5) == [[3, 1, 4, 5], [5, 9, 2, 6]]
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -136,3 +138,5 @@ def test_routing_units_cover_every_pair_once_and_balance_the_tasks(seed):
     assert pairs == sorted((b, j, e) for b, row in enumerate(ids) for j, e in enumerate(row))
     counts = [len(task_units(ids, j)) for j in range(top_k)]
     assert sum(counts) == len(units) and max(counts) - min(counts) <= 1 and max(counts) <= batch
+    rounds = combine_rounds(ids, 8)  # every expert once, once more per round it straddles into
+    assert len(units) <= sum(map(len, rounds)) <= len(units) + len(rounds) - 1 and all(len(r) <= 8 for r in rounds)

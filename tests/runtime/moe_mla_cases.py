@@ -180,7 +180,7 @@ def expert_gated_case(name: str, batch: int, k_in: int, n: int, experts: int, to
 
 
 def expert_combine_case(name: str, batch: int, k_in: int, n: int, experts: int, top_k: int, fmt: str, row_tiles: int,
-                        ctas: int, scale_range: tuple[int, int] = (118, 121), residuals: int = 0) -> MoeMlaCase:  # fmt: skip
+                        ctas: int, scale_range: tuple[int, int] = (118, 121), residuals: int = 0, same_experts: bool = False) -> MoeMlaCase:  # fmt: skip
     """residuals: bf16 rows the combine adds in its epilogue (the MoE "+ shared" and the residual stream)."""
     b = TableBuilder(ctas)
     x = b.buffer("x", "bfloat16", (batch, top_k, k_in))
@@ -197,7 +197,7 @@ def expert_combine_case(name: str, batch: int, k_in: int, n: int, experts: int, 
 
     def inputs(gen, weights, step):
         return {"x": _randn(gen, (batch, top_k, k_in), "cpu").to(torch.bfloat16),
-                "ids": _distinct_ids(gen, batch, top_k, experts, "cpu"),
+                "ids": (_same_ids if same_experts else _distinct_ids)(gen, batch, top_k, experts, "cpu"),
                 "topk_weights": torch.rand((batch, top_k), generator=gen) + 0.1,
                 **{r.name: _randn(gen, (batch, n), "cpu", 4.0).to(torch.bfloat16) for r in rs}}  # fmt: skip
 
@@ -340,6 +340,12 @@ def moe_mla_cases() -> list[MoeMlaCase]:
         expert_combine_case("expert_combine_bf16_b4", 4, 264, 520, 7, 3, "bfloat16", row_tiles=5, ctas=4),
         # Kimi Linear's MoE output: the shared expert's output and the residual stream added in the epilogue
         expert_combine_case("expert_combine_bf16_residuals_b2", 2, 264, 520, 7, 3, "bfloat16", row_tiles=5, ctas=4, residuals=2),
+        # batch > 1: each expert streamed once per round of 8 (request, slot) pairs, the warps holding its pairs read the one
+        # fill (ir/streaming.py combine_rounds): all requests on the same experts; 48 pairs of 20 experts (experts
+        # straddle rounds, two registers of the grouping); 8 requests on each of 4 MXFP4 experts (one expert per round)
+        expert_combine_case("expert_combine_bf16_b4_same", 4, 264, 520, 7, 3, "bfloat16", row_tiles=5, ctas=4, same_experts=True),
+        expert_combine_case("expert_combine_bf16_residuals_b4_k12", 4, 264, 520, 20, 12, "bfloat16", row_tiles=5, ctas=4, residuals=2),
+        expert_combine_case("expert_combine_mxfp4_b8_same", 8, 224, 144, 9, 4, "mxfp4", row_tiles=4, ctas=4, same_experts=True),
         expert_combine_case("expert_combine_mxfp4_residual_b1", 1, 224, 272, 9, 4, "mxfp4", row_tiles=3, ctas=3, residuals=1),
         # 16.5 KB rows in 2 chunks, 9 slots: a round of 8 slots and a round of 1, chunk by chunk
         expert_combine_case("expert_combine_bf16_b2_chunked", 2, 8448, 40, 11, 9, "bfloat16", row_tiles=2, ctas=2),

@@ -198,17 +198,20 @@ def test_case_matches_semantics(name):
     assert not ck.failures, "\n".join(ck.failures)
 
 
-# Profile builds of grouped expert_gated cases (`build_megakernel_cases.py --config profile=true --suffix prof <case>`):
-# the bytes each task's producer issued, against the model of the grouping (ir/streaming.py routing_units).
-GROUPED_COUNT_CASES = ["expert_gated_bf16_silu_b4", "expert_gated_bf16_silu_b4_same", "expert_gated_bf16_silu_b4_k12"]
+# Profile builds of grouped expert cases (`build_megakernel_cases.py --config profile=true --suffix prof <case>`): the
+# bytes each task's producer issued, against the model of the grouping (ir/streaming.py routing_units, combine_rounds).
+GROUPED_COUNT_CASES = ["expert_gated_bf16_silu_b4", "expert_gated_bf16_silu_b4_same", "expert_gated_bf16_silu_b4_k12",
+                       "expert_combine_bf16_b4_same", "expert_combine_bf16_residuals_b4_k12"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", GROUPED_COUNT_CASES)
 def test_grouped_experts_stream_each_distinct_expert_once(name):
     """At batch > 1 a step streams each distinct expert's rows once (FillPlan.grouped): per task, the producer issues
-    (its experts in routing_units) x rows x row bytes, and the whole step the distinct experts' bytes, not one
-    expert per (request, slot). Correct outputs on the way (run_case's checks)."""
-    from k3mk.ir.streaming import fill_plan, routing_units, task_units
+    its experts' rows (expert_gated: its units in routing_units; expert_combine: one fill per expert and round of
+    8 pairs, combine_rounds) x row bytes, and the whole step the distinct experts' bytes (the combine: plus the
+    experts that straddle two rounds), not one expert per (request, slot). Correct outputs on the way (run_case)."""
+    from k3mk.codegen.ops import KernelConfig
+    from k3mk.ir.streaming import combine_rounds, fill_plan, routing_units, task_units
     from k3mk.runtime import abi
 
     path = artifacts_dir() / f"{name}@prof"
@@ -217,23 +220,27 @@ def test_grouped_experts_stream_each_distinct_expert_once(name):
     case, mk, _, ck = run_case(f"{name}@prof")
     assert not ck.failures, "\n".join(ck.failures)
     table = case.builder.table()
-    records = mk.profile_records()
-    issued = records[:, abi.PROFILE_FIELDS.index("issued_bytes")].tolist()
+    issued = mk.profile_records()[:, abi.PROFILE_FIELDS.index("issued_bytes")].tolist()
     ids = mk.buffer("ids").cpu().tolist()
-    got = want = 0
+    warps = KernelConfig().warps  # the case builds' consumer warps
+    per_row = {"expert_gated": lambda t: len(task_units(ids, t.operands["slot"])), "expert_combine": lambda t: sum(map(len, combine_rounds(ids, warps)))}
+    got = rows = 0
     for index, task in enumerate(t for tasks in table.lists for t in tasks):
         variant = table.variants[task.opcode]
-        if variant.op != "expert_gated":
+        if variant.op not in per_row:
             continue
         plan = fill_plan(variant.op, variant.params)
         assert plan.grouped, (name, plan)
         row_bytes = sum(st.bytes(plan.in_features) for st in plan.streams)
-        expected = len(task_units(ids, task.operands["slot"])) * task.operands["row_count"] * row_bytes
-        assert issued[index] == expected, f"task {index} (slot {task.operands['slot']}): issued {issued[index]} B, the grouping streams {expected}"
-        got, want = got + issued[index], want + expected
-    n = variant.params.out_features
-    assert got == len(routing_units(ids)) * n * row_bytes == want  # the distinct experts' bytes, once
-    assert len(routing_units(ids)) < len(ids) * len(ids[0])  # the routing repeated some expert: the count means something
+        expected = per_row[variant.op](task) * task.operands["row_count"] * row_bytes
+        assert issued[index] == expected, f"task {index} ({task.operands}): issued {issued[index]} B, the grouping streams {expected}"
+        got, rows = got + issued[index], rows + task.operands["row_count"]
+    distinct = len(routing_units(ids))
+    assert distinct < len(ids) * len(ids[0])  # the routing repeated some expert: the count means something
+    if variant.op == "expert_gated":
+        assert got == distinct * variant.params.out_features * row_bytes  # the distinct experts' bytes, once
+    else:
+        assert got == sum(map(len, combine_rounds(ids, warps))) * rows * row_bytes < len(ids) * len(ids[0]) * rows * row_bytes
 
 
 def captured_step(mk) -> torch.cuda.CUDAGraph:
