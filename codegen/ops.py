@@ -71,9 +71,6 @@ class KernelConfig:
     # is latency bound with 8 consumer warps, 2 per scheduler; measured 2026-12-02 on the K3-size gated expert GEMV:
     # 1 / 2 / 4 spans gave 2.34 / 2.55 / 2.54 TB/s, BENCHMARKS.md)
     mxfp4_unroll: int = 0
-    # requests a grouped bf16 expert_gated applies each weight vector to per pass over its fill (0: all of them, one
-    # load for the expert's requests; 1: one request at a time, the weights re-read from smem per request)
-    expert_requests: int = 0
 
     @property
     def warps(self) -> int:
@@ -84,7 +81,7 @@ class KernelConfig:
         return self.threads + PRODUCER_THREADS + HANDOFF_THREADS
 
 
-KERNEL_TUNING = ("slot_bytes", "ring_bytes", "records", "gemv_unroll", "mxfp4_unroll", "expert_requests")  # `k3mk compile --kernel-option` knobs
+KERNEL_TUNING = ("slot_bytes", "ring_bytes", "records", "gemv_unroll", "mxfp4_unroll")  # `k3mk compile --kernel-option` knobs
 
 
 @dataclass(frozen=True)

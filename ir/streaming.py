@@ -269,9 +269,7 @@ def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | 
         else:
             streams = (_bf16("weight"), _bf16("weight_up")) if gated else (_bf16("weight"),)
             lane_order = LANE_ORDER_ELEMENTS
-        # a gated bf16 expert at batch > 1 applies its fill to all the requests that chose it at once (FillPlan.grouped):
-        # accumulators per request; MXFP4 rows are MMA rows, the requests its columns
-        accumulators_per_row = (2 * batch if batch > 1 else 2) if gated else 1
+        accumulators_per_row = 2 if gated else 1  # one request per pass (MXFP4: rows are MMA rows, the requests columns)
         top_k = params.top_k
     row_bytes = sum(st.bytes(k) for st in streams)
     windows = [st for st in streams if st.window]
