@@ -28,9 +28,10 @@ STEPS = 1000
 
 
 # The full-size cases run where their artifacts were built (k3mk compile --model kimi-linear-48b-a3b --out
-# artifacts_dev/model_kimi-linear-48b-a3b_b1, likewise k3-proxy-16l): ~98 / ~41 GB of weights on the GPU,
-# shared by both models.
-@pytest.mark.parametrize("name,batch", [("k3-tiny", 1), ("k3-tiny", 4), ("kimi-linear-48b-a3b", 1), ("k3-proxy-16l", 1)])
+# artifacts_dev/model_kimi-linear-48b-a3b_b1, likewise k3-proxy-16l and batch 4, where the routed experts are grouped
+# by expert at run time): ~98 / ~41 GB of weights on the GPU, shared by both models.
+@pytest.mark.parametrize("name,batch", [("k3-tiny", 1), ("k3-tiny", 4), ("kimi-linear-48b-a3b", 1), ("k3-proxy-16l", 1),
+                                        ("kimi-linear-48b-a3b", 4), ("k3-proxy-16l", 4)])  # fmt: skip
 def test_whole_model_graph_replay_equals_eager(name, batch):
     art = artifact_or_skip(name, batch)
     from k3mk.compiler.random_weights import random_weights
