@@ -8,7 +8,9 @@ once (`random_weights(config, 0, bf16, "cuda")`) and bound by every build; each 
 from zeroed decode state with the same token ids (the first build's greedy tokens fed back) at positions
 0, 1, ...; the logits of every step are compared bit for bit with the first build's (builds that differ
 only in how weights reach the SM, like ring and slot sizes, run the same arithmetic in the same
-order). Then the step time: bench/timeline.py's step_time_us (the mean of 50 eager steps after 3 untimed).
+order). Then the step time: bench/timeline.py's step_time_us (the mean of 50 eager steps after 3 untimed, each
+request its own token: the greedy tokens of random weights converge, and requests that all route alike would time
+the best case of the routed experts' grouping by expert).
 """
 
 from __future__ import annotations

@@ -33,14 +33,23 @@ import torch
 TIMED_STEPS = 50
 
 
+def request_tokens(batch: int, device) -> torch.Tensor:
+    """A distinct token per request. Fed back, a random-weight model's greedy tokens converge: every request then
+    routes to the same experts, the all-alike case, which the routed experts' grouping by expert (batch > 1) serves
+    best (BENCHMARKS.md 2026-12-03 late night); the timed steps feed these instead, as decode_bench's requests differ."""
+    return (torch.arange(batch, dtype=torch.int32, device=device) * 7919 + 17) % 100_000
+
+
 def step_time_us(model, tokens: torch.Tensor, positions: torch.Tensor) -> float:
-    """Mean of TIMED_STEPS eager steps after 3 untimed ones (inputs already on the GPU; the token fed back)."""
+    """Mean of TIMED_STEPS eager steps after 3 untimed ones (inputs already on the GPU): each request its own token
+    (`request_tokens`), copied in before every step as a fed-back token would be."""
+    fixed = request_tokens(tokens.numel(), tokens.device)
     for _ in range(3):
-        tokens.copy_(model.step(tokens, positions, check_finite=False)[0])
+        model.step(tokens.copy_(fixed), positions, check_finite=False)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(TIMED_STEPS):
-        tokens.copy_(model.step(tokens, positions, check_finite=False)[0])  # the launch alone, as before the check existed
+        model.step(tokens.copy_(fixed), positions, check_finite=False)  # the launch alone, as before the check existed
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / TIMED_STEPS
@@ -78,17 +87,17 @@ def main() -> None:
     dev = model.mk.device
     rec = {"artifact": str(args.artifact), "model": manifest["model"], "batch": model.batch, "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "steps": []}  # fmt: skip
-    tokens = torch.full((model.batch,), 1, dtype=torch.int32, device=dev)
+    tokens = request_tokens(model.batch, dev)  # each request its own token every step (routing as real requests')
     position = args.position
     with torch.no_grad():
         for _ in range(args.warmup):
-            tokens.copy_(model.step(tokens, torch.full_like(tokens, position), check_finite=False)[0])
+            model.step(tokens, torch.full_like(tokens, position), check_finite=False)
             position += 1
         torch.cuda.synchronize()
         rec["setup_s"] = round(time.perf_counter() - t0, 2)
         trace_events, texts, raw = [], [], []
         for _ in range(args.steps):
-            tokens.copy_(model.step(tokens, torch.full_like(tokens, position), check_finite=False)[0])
+            model.step(tokens, torch.full_like(tokens, position), check_finite=False)
             torch.cuda.synchronize()
             raw.append(model.mk.profile_records())
             tl = Timeline.of(model.mk)

@@ -71,6 +71,11 @@ STREAMING_OPS = ("gemv", "expert_gated", "expert_combine")
 # once the router has written the ids: passes/build_events.py "weight waits"); every other op's producer
 # never waits on an event.
 PRODUCER_WAITS = frozenset({"expert_gated", "expert_combine"})
+# The routed experts are grouped by expert (FillPlan.grouped) where independent requests would leave at most this share
+# of the (request, slot) pairs on distinct experts: 64 experts / top-16 at batch 4 (the K3 proxies) 0.68, grouped;
+# 256 / top-8 (Kimi Linear) 0.95 and K3's 896 / top-16 0.97 at batch 4, not (their shared bytes would not pay for the
+# tables); K3 at batch 16, 0.87.
+GROUPING_DISTINCT = 0.9
 
 
 class StreamingError(ValueError):
@@ -134,6 +139,7 @@ class FillPlan:
     streams: tuple[Stream, ...]
     batch: int
     top_k: int = 1
+    num_experts: int = 0  # the routed experts'
 
     def chunk_elements(self, c: int) -> int:
         return min(self.chunk, self.in_features - c * self.chunk)
@@ -182,10 +188,15 @@ class FillPlan:
     @property
     def grouped(self) -> bool:
         """Whether a task streams each of the step's distinct experts (`routing_units`) once for all the requests that
-        chose it: the routed experts at batch > 1 with whole rows per fill. A row cut into chunks would need each
-        request's partial sums kept across the chunks (registers per request): there every (request, slot) streams
-        its own expert's rows, as at batch 1."""
-        return self.op in ("expert_gated", "expert_combine") and self.batch > 1 and self.chunks == 1
+        chose it: the routed experts at batch > 1 with whole rows per fill, where requests routed independently would
+        share experts (`expected_distinct` at most GROUPING_DISTINCT of the (request, slot) pairs). A row cut into
+        chunks would need each request's partial sums kept across the chunks (registers per request): there every
+        (request, slot) streams its own expert's rows, as at batch 1. Grouping costs each task its expert table (a
+        warp's shuffles, ~2 us) and pays back only the bytes of shared experts: with every pair's expert distinct it
+        was 1.9-2.8% slower on the K3 proxies at batch 4 (BENCHMARKS.md, 2026-12-03 late night)."""
+        if self.op not in ("expert_gated", "expert_combine") or self.batch == 1 or self.chunks > 1:
+            return False
+        return expected_distinct(self.num_experts, self.top_k, self.batch) <= GROUPING_DISTINCT * self.batch * self.top_k
 
     @property
     def batch_groups(self) -> int:
@@ -296,13 +307,19 @@ def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | 
             more_chunk, more_chunks = _chunking(k, row_bytes / k * more, slot_bytes - slack, lane_order, f"{op} ({more} rows)")
             if more * more_chunk >= rows * chunk:
                 rows, chunk, chunks = more, more_chunk, more_chunks
-    plan = FillPlan(op, k, params.out_features, rows, chunk, chunks, streams, batch, top_k)
+    plan = FillPlan(op, k, params.out_features, rows, chunk, chunks, streams, batch, top_k, getattr(params, "num_experts", 0))
     for st in streams:
         for c in range(chunks):
             if not st.window and (st.bytes(plan.chunk_elements(c)) % VECTOR_BYTES or st.bytes(k) % VECTOR_BYTES):
                 raise StreamingError(f"{op} stream {st.operand!r}: a row of {k} elements gives copies that are not multiples of {VECTOR_BYTES} bytes")
     assert plan.slot_need <= slot_bytes
     return plan
+
+
+def expected_distinct(num_experts: int, top_k: int, batch: int) -> float:
+    """Distinct experts among `batch` requests' top_k each, were the requests routed independently and uniformly:
+    E (1 - (1 - k / E)^B). Real routers favour some experts: more are shared."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
 
 
 def routing_units(ids: list[list[int]]) -> list[tuple[int, dict[int, int]]]:
