@@ -17,13 +17,13 @@ fills a ring holds are every warp's work, not all the chunks of one or two warps
 
   gemv            units = row groups g, warp g % warps
   expert_gated    for u in the task's experts: units = row groups g, warp (u * groups + g) % warps  (rounds within an
-                  expert: the producer divides nothing per fill). At batch > 1 the task's experts are the step's
+                  expert: the producer divides nothing per fill). Grouped (batch > 1, FillPlan.grouped) the task's experts are the step's
                   distinct experts n = slot, slot + top_k, ... (`routing_units`), each applied to every request
                   that chose it: a weight row is read once per step, not once per (request, slot)
   expert_combine  for b in batch: for batches of COMBINE_BATCH_ROWS rows of row groups: for rounds of `warps`
                   slots: for g in the batch: the round's slots j are the units, warp j % warps (expert ids[b, j];
-                  its requests and row-group batches run one after another, a barrier between them). At batch > 1
-                  (grouped): the step's (request, slot) pairs sorted by unit (`routing_units`), then request; for
+                  its requests and row-group batches run one after another, a barrier between them). Grouped
+                  (batch > 1, FillPlan.grouped): the step's (request, slot) pairs sorted by unit (`routing_units`), then request; for
                   batches of row groups: for rounds of `warps` pairs (warp = place in the round): for g in the
                   batch: each unit of the round is ONE fill, which all the round's warps holding its pairs read
                   (their releases add up to one slot's: ring.py.j2 ring_release)
