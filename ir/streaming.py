@@ -189,14 +189,14 @@ class FillPlan:
     def grouped(self) -> bool:
         """Whether a task streams each of the step's distinct experts (`routing_units`) once for all the requests that
         chose it: the routed experts at batch > 1 with whole rows per fill, where requests routed independently would
-        share experts (`expected_distinct` at most GROUPING_DISTINCT of the (request, slot) pairs). A row cut into
+        share experts (`expected_distinct_experts` at most GROUPING_DISTINCT of the (request, slot) pairs). A row cut into
         chunks would need each request's partial sums kept across the chunks (registers per request): there every
         (request, slot) streams its own expert's rows, as at batch 1. Grouping costs each task its expert table (a
         warp's shuffles, ~2 us) and pays back only the bytes of shared experts: with every pair's expert distinct it
         was 1.9-2.8% slower on the K3 proxies at batch 4 (BENCHMARKS.md, 2026-12-03 late night)."""
         if self.op not in ("expert_gated", "expert_combine") or self.batch == 1 or self.chunks > 1:
             return False
-        return expected_distinct(self.num_experts, self.top_k, self.batch) <= GROUPING_DISTINCT * self.batch * self.top_k
+        return expected_distinct_experts(self.num_experts, self.top_k, self.batch) <= GROUPING_DISTINCT * self.batch * self.top_k
 
     @property
     def batch_groups(self) -> int:
@@ -316,10 +316,10 @@ def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | 
     return plan
 
 
-def expected_distinct(num_experts: int, top_k: int, batch: int) -> float:
-    """Distinct experts among `batch` requests' top_k each, were the requests routed independently and uniformly:
-    E (1 - (1 - k / E)^B). Real routers favour some experts: more are shared."""
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
+def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """E * (1 - (1 - k/E)^B): experts touched by B tokens choosing k of E uniformly (spec 11). Real routers favour some
+    experts: more are shared. (The roofline's expected routing, passes/schedule.py, and the grouping's condition.)"""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
 def routing_units(ids: list[list[int]]) -> list[tuple[int, dict[int, int]]]:

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from k3mk.ir.graph import Graph, Role
+from k3mk.ir.streaming import expected_distinct_experts
 from k3mk.ir.tasks import Region, Task, TaskGraph
 from k3mk.passes.check_deadlock import execution_order
 
@@ -148,11 +149,6 @@ def _topological_order(preds: list[list[int]], succs: list[list[int]], tg: TaskG
 
 # --------------------------------------------------------------------------------------------
 # the roofline
-
-
-def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
-    """E * (1 - (1 - k/E)^B): experts touched by B tokens choosing k of E uniformly (spec 11)."""
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
 def roofline_bytes(graph: Graph) -> dict[str, float]:

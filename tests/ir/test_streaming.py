@@ -14,6 +14,7 @@ import pytest
 
 from k3mk.ir.streaming import RingModel, check_ring, combine_rounds, fill_plan, routing_units, task_units
 from k3mk.ir.task_table import (
+    ExpertCombineParams,
     ExpertGatedParams,
     Event,
     GemvParams,
@@ -140,3 +141,18 @@ def test_routing_units_cover_every_pair_once_and_balance_the_tasks(seed):
     assert sum(counts) == len(units) and max(counts) - min(counts) <= 1 and max(counts) <= batch
     rounds = combine_rounds(ids, 8)  # every expert once, once more per round it straddles into
     assert len(units) <= sum(map(len, rounds)) <= len(units) + len(rounds) - 1 and all(len(r) <= 8 for r in rounds)
+
+
+@pytest.mark.parametrize("experts,top_k,batch,grouped", [
+    (64, 16, 4, True),  # the K3 proxies: 0.68 of the pairs distinct, were requests routed independently
+    (256, 8, 4, False),  # Kimi Linear: 0.95
+    (896, 16, 4, False),  # K3: 0.97
+    (896, 16, 16, True),  # K3 at batch 16: 0.88
+    (64, 16, 1, False),  # batch 1: nothing to share
+])  # fmt: skip
+def test_experts_are_grouped_where_requests_would_share_them(experts, top_k, batch, grouped):
+    """FillPlan.grouped: whole rows and expected distinct experts at most GROUPING_DISTINCT of the pairs (with every
+    pair's expert distinct the grouping's tables cost 2-3%: BENCHMARKS.md 2026-12-03 late night)."""
+    gated = fill_plan("expert_gated", ExpertGatedParams(3584, 3072, experts, batch, top_k, "mxfp4", "situ"))
+    combine = fill_plan("expert_combine", ExpertCombineParams(3072, 3584, experts, batch, top_k, "mxfp4"))
+    assert gated.grouped == combine.grouped == grouped
