@@ -17,6 +17,10 @@ Per CTA two processes, as in the kernel and in the ring-aware deadlock check (ir
   taking the next record costs the CTA `task_overhead`. The step ends with the last body (the profile's
   wall: first start to last body_end).
 
+The routed experts grouped by expert (batch > 1, ir/streaming.py FillPlan.grouped) stream the distinct experts that
+requests routed independently would choose (`grouped_share`), while their consumers still take a pass per request
+(the MXFP4 gated expert's: one pass for 4): a step whose requests share more experts streams less.
+
 What it leaves out: HBM shared unevenly (an SM streaming alone gets more than its share: the model errs
 slow when few SMs stream), L2 hits, the KDA state's L2 prefetch.
 
@@ -35,7 +39,7 @@ from typing import Sequence
 import torch
 
 from k3mk.ir.fused import kv_chunk_bounds
-from k3mk.ir.streaming import RingModel, fill_plan
+from k3mk.ir.streaming import RingModel, expected_distinct_experts, fill_plan
 from k3mk.ir.table_exec import table_order
 from k3mk.ir.task_table import MlaDecodeParams, TaskTable
 
@@ -128,6 +132,17 @@ class Replay:
                 "producer_blocked": self.producer_blocked_s / total}  # fmt: skip
 
 
+def grouped_share(plan, slot: int) -> float:
+    """The share of its per-(request, slot) fills a grouped task streams when the requests route independently
+    (ir/streaming.py expected_distinct_experts): expert_gated the task's share of the distinct experts (units slot,
+    slot + top_k, ...) over its `batch`; expert_combine the distinct experts over the pairs (rounds' straddles
+    neglected)."""
+    distinct = expected_distinct_experts(plan.num_experts, plan.top_k, plan.batch)
+    if plan.op == "expert_gated":
+        return len(range(slot, round(distinct), plan.top_k)) / plan.batch
+    return distinct / (plan.batch * plan.top_k)
+
+
 def mla_chunk_rows(params: MlaDecodeParams, context: int) -> list[int]:
     """KV rows of each chunk of an mla_decode variant when a request's context is `context` tokens (its
     position + 1): ir/fused.py kv_chunk_bounds, the split the kernel makes at run time."""
@@ -167,7 +182,16 @@ def replay(
         if task.weight_wait is not None:
             p = max(p, event_done[task.weight_wait] + costs.handoff)
         fills = plan.task_fills(task.operands.get("row_count", 0)) if plan is not None else 0
+        if plan is not None and plan.grouped:
+            # the routed experts grouped by expert: the distinct experts of requests routed independently (the task
+            # table's bytes count one expert per (request, slot))
+            share = grouped_share(plan, task.operands.get("slot", 0))
+            weight_bytes *= share
+            fills = max(1, round(fills * share))
         fill_bytes = weight_bytes / fills if fills else 0.0
+        # the consumers' work per fill: a grouped fill serves 1 / share requests, one pass each, except the MXFP4 gated
+        # expert's (its requests are the MMA's columns: one pass)
+        passes = 1.0 / share if plan is not None and plan.grouped and not (plan.op == "expert_gated" and any(st.mma_rows for st in plan.streams)) else 1.0
         # the consumers take the task once its record is there and the previous task is done (the profile's
         # start stamp), then wait for its events (its wait_done)
         start = max(p, free)
@@ -188,7 +212,7 @@ def replay(
                 landed[s].append(max(p + costs.fill_latency, stream))
                 p += costs.fill_issue
                 w = owners[i]
-                warp_free[w] = max(warp_free[w], landed[s][f]) + fill_bytes / rate
+                warp_free[w] = max(warp_free[w], landed[s][f]) + fill_bytes * passes / rate
                 released[s].append(warp_free[w])
             end = max(warp_free)
         else:

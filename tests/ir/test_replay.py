@@ -143,3 +143,19 @@ def test_an_mla_decode_task_costs_its_chunk_rows_at_the_context():
     assert step(100) == pytest.approx(1e-6 + 25 * 3 * 1e-8, rel=1e-12)
     assert step(None) == pytest.approx(1e-6 + 32 * 3 * 1e-8, rel=1e-12)
     assert H200_2026_12_03.mla_head_row > 0
+
+
+def test_grouped_experts_stream_the_expected_distinct_experts():
+    """4 requests choosing 2 of 4 experts independently touch 4 (1 - (1/2)^4) = 3.75 of them in expectation: a grouped
+    expert_gated task of slot j holds units j, j + 2 of round(3.75) = 4 (half its 4 per-request fills), a grouped
+    combine 3.75 of its 8 pairs' experts; ungrouped tasks stream them all."""
+    from k3mk.ir.replay import grouped_share
+    from k3mk.ir.streaming import fill_plan
+    from k3mk.ir.task_table import ExpertCombineParams
+
+    gated = fill_plan("expert_gated", ExpertGatedParams(64, 64, 4, 4, 2))
+    combine = fill_plan("expert_combine", ExpertCombineParams(64, 64, 4, 4, 2))
+    assert gated.grouped and combine.grouped
+    assert grouped_share(gated, 0) == grouped_share(gated, 1) == 0.5
+    assert grouped_share(combine, 0) == pytest.approx(3.75 / 8)
+    assert not fill_plan("expert_gated", ExpertGatedParams(64, 64, 256, 4, 2)).grouped  # 7.9 of 8 distinct
