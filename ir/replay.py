@@ -39,7 +39,7 @@ from typing import Sequence
 import torch
 
 from k3mk.ir.fused import kv_chunk_bounds
-from k3mk.ir.streaming import RingModel, expected_distinct_experts, fill_plan
+from k3mk.ir.streaming import FillPlan, RingModel, expected_distinct_experts, fill_plan
 from k3mk.ir.table_exec import table_order
 from k3mk.ir.task_table import MlaDecodeParams, TaskTable
 
@@ -132,7 +132,7 @@ class Replay:
                 "producer_blocked": self.producer_blocked_s / total}  # fmt: skip
 
 
-def grouped_share(plan, slot: int) -> float:
+def grouped_share(plan: FillPlan, slot: int) -> float:
     """The share of its per-(request, slot) fills a grouped task streams when the requests route independently
     (ir/streaming.py expected_distinct_experts): expert_gated the task's share of the distinct experts (units slot,
     slot + top_k, ...) over its `batch`; expert_combine the distinct experts over the pairs (rounds' straddles

@@ -74,7 +74,7 @@ PRODUCER_WAITS = frozenset({"expert_gated", "expert_combine"})
 # The routed experts are grouped by expert (FillPlan.grouped) where independent requests would leave at most this share
 # of the (request, slot) pairs on distinct experts: 64 experts / top-16 at batch 4 (the K3 proxies) 0.68, grouped;
 # 256 / top-8 (Kimi Linear) 0.95 and K3's 896 / top-16 0.97 at batch 4, not (their shared bytes would not pay for the
-# tables); K3 at batch 16, 0.87.
+# tables); K3 at batch 16, 0.88.
 GROUPING_DISTINCT = 0.9
 
 
@@ -205,25 +205,20 @@ class FillPlan:
         rows = COMBINE_BATCH_ROWS * 4 // self.batch if self.grouped else COMBINE_BATCH_ROWS
         return max(1, rows // self.rows)
 
-    def task_fills(self, row_count: int, units: int | None = None) -> int:
-        """Fills of a task of `row_count` rows, in every request (and routing slot) it covers; a grouped task
-        (`grouped`) streams `units` experts, at most (the default) `batch`: the step's routing decides."""
-        if self.op == "gemv":
-            reps = 1
-        elif self.op == "expert_gated":
-            reps = self.batch if units is None else units
-        else:
-            reps = self.batch * self.top_k
+    def task_fills(self, row_count: int) -> int:
+        """Fills of a task of `row_count` rows, in every request (and routing slot) it covers: a grouped task
+        (`grouped`) issues at most these, as many as the step's routing gives it."""
+        reps = self.batch * (self.top_k if self.op == "expert_combine" else 1) if self.op != "gemv" else 1
         return reps * self.groups(row_count) * self.chunks
 
-    def owners(self, row_count: int, warps: int, units: int | None = None) -> list[int]:
-        """The consumer warp of each fill of a task, in issue order (module docstring)."""
+    def owners(self, row_count: int, warps: int) -> list[int]:
+        """The consumer warp of each fill of a task, in issue order (module docstring; a grouped task's: with every
+        pair's expert distinct)."""
         groups = self.groups(row_count)
         if self.op == "gemv":
             return [g % warps for g, _ in chunk_major(groups, warps, self.chunks)]
         if self.op == "expert_gated":
-            n = self.batch if units is None else units
-            return [(u * groups + g) % warps for u in range(n) for g, _ in chunk_major(groups, warps, self.chunks)]
+            return [(u * groups + g) % warps for u in range(self.batch) for g, _ in chunk_major(groups, warps, self.chunks)]
         batch_groups = self.batch_groups
         out = []
         if self.grouped:  # at most: every pair its own expert (the step's routing decides)
