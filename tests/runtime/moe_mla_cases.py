@@ -279,14 +279,24 @@ def mla_case(name: str, batch: int, heads: int, rank: int, rope: int, nope: int,
     return MoeMlaCase(name, b, "mla", default_weights(b), inputs, outputs=["q_abs", "o", "lse", "out"], meta=meta)
 
 
-# ---- K3-size MXFP4 expert benchmarks (spec 5.3: w1/w3 [3072, 3584], w2 [3584, 3072], 16 of 896 experts) ---
+# ---- K3-size expert benchmarks (spec 5.3: w1/w3 [3072, 3584], w2 [3584, 3072], 16 of 896 experts), MXFP4 (the
+# checkpoint's) and bf16 (the bf16 proxy's, Kimi Linear's form) ---
 
 
-def bench_expert_case(form: str, experts: int = 32, top_k: int = 16, ctas: int = 132) -> MoeMlaCase:
+def bench_expert_case(form: str, mxfp4: bool = True, experts: int = 32, top_k: int = 16, ctas: int = 132) -> MoeMlaCase:
     latent, inter = 3584, 3072
     b = TableBuilder(ctas)
     ids = b.buffer("ids", "int32", (1, top_k))
-    if form == "gated":
+    if form == "gated" and not mxfp4:
+        x = b.buffer("x", "bfloat16", (1, latent))
+        y = b.buffer("y", "bfloat16", (1, top_k, inter))
+        w1, w3 = b.weight("w1", "bfloat16", (experts, inter, latent)), b.weight("w3", "bfloat16", (experts, inter, latent))
+        b.expert_gated(x, ids, y, w1, w3, activation="situ", row_tiles=33)
+        weight_bytes = top_k * 2 * inter * latent * 2
+
+        def inputs(gen, weights, step):
+            return {"x": _randn(gen, (1, latent), "cpu").to(torch.bfloat16), "ids": _distinct_ids(gen, 1, top_k, experts, "cpu")}
+    elif form == "gated":
         x = b.buffer("x", "bfloat16", (1, latent))
         y = b.buffer("y", "bfloat16", (1, top_k, inter))
         w1, s1 = b.weight("w1_packed", "uint8", (experts, inter, latent // 2)), b.weight("w1_scale", "uint8", (experts, inter, latent // 32))
@@ -300,15 +310,19 @@ def bench_expert_case(form: str, experts: int = 32, top_k: int = 16, ctas: int =
         x = b.buffer("x", "bfloat16", (1, top_k, inter))
         tw = b.buffer("topk_weights", "float32", (1, top_k))
         y = b.buffer("y", "bfloat16", (1, latent))
-        w2, s2 = b.weight("w2_packed", "uint8", (experts, latent, inter // 2)), b.weight("w2_scale", "uint8", (experts, latent, inter // 32))
-        b.expert_combine(x, ids, tw, y, w2, scale=s2, row_tiles=ctas)
-        weight_bytes = top_k * latent * (inter // 2 + inter // 32)
+        if mxfp4:
+            w2, s2 = b.weight("w2_packed", "uint8", (experts, latent, inter // 2)), b.weight("w2_scale", "uint8", (experts, latent, inter // 32))
+            b.expert_combine(x, ids, tw, y, w2, scale=s2, row_tiles=ctas)
+            weight_bytes = top_k * latent * (inter // 2 + inter // 32)
+        else:
+            b.expert_combine(x, ids, tw, y, b.weight("w2", "bfloat16", (experts, latent, inter)), row_tiles=ctas)
+            weight_bytes = top_k * latent * inter * 2
 
         def inputs(gen, weights, step):
             return {"x": _randn(gen, (1, top_k, inter), "cpu").to(torch.bfloat16), "ids": _distinct_ids(gen, 1, top_k, experts, "cpu"),
                     "topk_weights": torch.rand((1, top_k), generator=gen) / top_k}  # fmt: skip
 
-    return MoeMlaCase(f"bench_expert_{form}_mxfp4_k3", b, "bench", default_weights(b, (118, 122)), inputs, outputs=["y"],
+    return MoeMlaCase(f"bench_expert_{form}_{'mxfp4' if mxfp4 else 'bf16'}_k3", b, "bench", default_weights(b, (118, 122)), inputs, outputs=["y"],
                       meta={"weight_bytes": weight_bytes, "form": form})  # fmt: skip
 
 
@@ -362,4 +376,6 @@ def moe_mla_cases() -> list[MoeMlaCase]:
         mla_case("bench_mla_k3_t8192", 1, 96, 512, 64, 128, 128, 8192, 22, 64, 16, ctas=132, head_tiles=48, bench=True),
         bench_expert_case("gated"),
         bench_expert_case("combine"),
+        bench_expert_case("gated", mxfp4=False),
+        bench_expert_case("combine", mxfp4=False),
     ]

@@ -257,9 +257,9 @@ def captured_step(mk) -> torch.cuda.CUDAGraph:
 
 
 @pytest.mark.parametrize("name", BENCH_ARTIFACTS)
-def test_bench_mxfp4_expert_bandwidth(name):
+def test_bench_expert_bandwidth(name):
     case, mk, weights, ck = run_case(name, steps=1)
-    num_experts = weights["w1_packed" if case.meta["form"] == "gated" else "w2_packed"].shape[0]
+    num_experts = weights[("w1" if case.meta["form"] == "gated" else "w2") + ("_packed" if "mxfp4" in name else "")].shape[0]
     top_k = mk.buffer("ids").shape[1]
     perm = torch.randperm(num_experts, generator=torch.Generator().manual_seed(3))
     id_sets = [perm[i * top_k : (i + 1) * top_k].view(1, top_k).to(torch.int32).cuda() for i in range(num_experts // top_k)]
