@@ -33,11 +33,11 @@ producer that waits only for an event complete before its task's consumers may s
 router: every event the task waits on comes after it), is why the ring cannot deadlock (check_ring
 executes it; the argument is in TaskTable.check_deadlock_free).
 
-Bit-exactness: a lane of a bf16 consumer warp sums the elements it would sum in a loop over the whole
-row (16-byte vectors lane, lane + 32, ... of the row), in the same order, so a streamed op computes
-what a register-load op computes, bit for bit. Hence chunks are multiples of LANE_ORDER_ELEMENTS. (An
-MXFP4 row too long for a slot is cut into chunks of whole 128-code spans, MXFP4_CHUNK_ELEMENTS; the MMAs sum
-a row's spans in order, chunk after chunk: tensor-core sums, not the FMA loop's order.)
+Chunks and sums: a bf16 consumer warp sums a row in spans of LANE_ORDER_ELEMENTS (32 lanes x one 16-byte
+vector), one pair of m16n8k16 MMAs per span into the same accumulators, span after span
+(codegen/templates/bf16_dot.py.j2), so a row's sum does not depend on how it is cut into chunks: chunks are
+multiples of LANE_ORDER_ELEMENTS. (An MXFP4 row too long for a slot is cut into chunks of whole 128-code spans,
+MXFP4_CHUNK_ELEMENTS; its MMAs sum a row's spans in order, chunk after chunk.)
 """
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ from typing import Any
 
 SLOT_BYTES = 16 * 1024  # default slot size (codegen/ops.py KernelConfig.slot_bytes)
 VECTOR_BYTES = 16  # every copy is a multiple of 16 bytes from a 16-byte aligned address
-LANE_ORDER_ELEMENTS = 32 * 8  # bf16: 32 lanes x one 16-byte vector: a lane's stride along a row
+LANE_ORDER_ELEMENTS = 32 * 8  # bf16: 32 lanes x one 16-byte vector: a span of the consumers' MMAs
 MXFP4_CHUNK_ELEMENTS = 32 * 32  # MXFP4 chunks (a row longer than a slot): 32 whole 32-code groups (8 spans)
 COMBINE_BATCH_ROWS = 32  # expert_combine: rows whose slot terms wait in smem for the slot-order sum, a batch at a time
-ACCUMULATOR_BUDGET = 16  # fp32 accumulators per lane (rows x batch x gated streams) a fill may need
+ACCUMULATOR_BUDGET = 16  # rows x batch x gated streams of a fill (bf16: 2 fp32 MMA accumulators per lane each, bf16_dot.py.j2)
 CHUNKED_ROWS = 4  # rows of a batched gemv's chunked fill: its copies per stream (fill_plan)
 # MXFP4 expert fills: the code rows of all streams are A rows 0..7 of the consumer's m16n8k16 MMAs (A rows 8..15
 # hold the same rows' other code pairs, codegen/templates/mxfp4_dot.py.j2), MMA row g reading code row mma_code_row
@@ -275,7 +275,7 @@ def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | 
         else:
             streams = (_bf16("weight"), _bf16("weight_up")) if gated else (_bf16("weight"),)
             lane_order = LANE_ORDER_ELEMENTS
-        accumulators_per_row = 2 if gated else 1  # one request per pass (MXFP4: rows are MMA rows, the requests columns)
+        accumulators_per_row = 2 if gated else 1  # per request of a pass (MXFP4: rows are MMA rows, the requests columns)
         top_k = params.top_k
     row_bytes = sum(st.bytes(k) for st in streams)
     windows = [st for st in streams if st.window]
