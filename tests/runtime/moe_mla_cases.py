@@ -342,8 +342,11 @@ def moe_mla_cases() -> list[MoeMlaCase]:
         expert_gated_case("expert_gated_bf16_silu_b4_same", 4, 520, 264, 7, 3, "bfloat16", "silu", row_tiles=3, ctas=5, same_experts=True),
         expert_gated_case("expert_gated_bf16_silu_b4_k12", 4, 264, 136, 20, 12, "bfloat16", "silu", row_tiles=2, ctas=6),
         expert_gated_case("expert_gated_mxfp4_situ_b4_same", 4, 544, 208, 9, 4, "mxfp4", "situ", row_tiles=2, ctas=3, same_experts=True),
-        # 8 requests on one expert: two passes over each fill, 4 requests in the MMA's columns each (expert_gated.py.j2)
+        # 8 requests on one expert: two passes over each fill, 4 requests each (expert_gated.py.j2: MXFP4, in the MMA's
+        # columns; bf16, 4 accumulator chains); bf16 with 3 requests past the first pass on some experts
         expert_gated_case("expert_gated_mxfp4_silu_b8_same", 8, 256, 72, 6, 3, "mxfp4", "silu", row_tiles=2, ctas=3, same_experts=True),
+        expert_gated_case("expert_gated_bf16_situ_b8_same", 8, 2304, 72, 6, 3, "bfloat16", "situ", row_tiles=2, ctas=3, same_experts=True),
+        expert_gated_case("expert_gated_bf16_silu_b8", 8, 2304, 72, 6, 3, "bfloat16", "silu", row_tiles=2, ctas=3),
         # rows cut into 2 chunks (18 KB gated rows), 36 rows x 4 requests per task: rounds of 8 units, chunk by chunk,
         # the last round short (ir/streaming.py chunk_major)
         expert_gated_case("expert_gated_bf16_silu_b4_chunked", 4, 4608, 72, 5, 2, "bfloat16", "silu", row_tiles=2, ctas=2),
