@@ -89,7 +89,8 @@ def test_fill_plans_fit_their_slot_and_keep_each_lanes_summation_order(slot_byte
             # the MMA consumer sums a row's 32-code groups in order, one chunk after another: chunks of whole groups
             assert plan.chunks == 1 or plan.chunk % MXFP4_CHUNK_ELEMENTS == 0
             continue
-        # the bit-exactness argument: every lane sums the same elements in the same order as a whole-row loop
+        # chunk independence: every lane loads the vectors a whole-row loop would, in its order, so each 256-element
+        # span is the same MMA pair chunked or not (bf16_dot.py.j2)
         assert lane_vectors_by_chunks(plan, 8) == lane_vectors_whole_row(k, 8), (v, plan)
         if plan.chunks > 1:
             assert plan.chunk % LANE_ORDER_ELEMENTS == 0
