@@ -287,22 +287,18 @@ def bench_expert_case(form: str, mxfp4: bool = True, experts: int = 32, top_k: i
     latent, inter = 3584, 3072
     b = TableBuilder(ctas)
     ids = b.buffer("ids", "int32", (1, top_k))
-    if form == "gated" and not mxfp4:
+    if form == "gated":
         x = b.buffer("x", "bfloat16", (1, latent))
         y = b.buffer("y", "bfloat16", (1, top_k, inter))
-        w1, w3 = b.weight("w1", "bfloat16", (experts, inter, latent)), b.weight("w3", "bfloat16", (experts, inter, latent))
-        b.expert_gated(x, ids, y, w1, w3, activation="situ", row_tiles=33)
-        weight_bytes = top_k * 2 * inter * latent * 2
-
-        def inputs(gen, weights, step):
-            return {"x": _randn(gen, (1, latent), "cpu").to(torch.bfloat16), "ids": _distinct_ids(gen, 1, top_k, experts, "cpu")}
-    elif form == "gated":
-        x = b.buffer("x", "bfloat16", (1, latent))
-        y = b.buffer("y", "bfloat16", (1, top_k, inter))
-        w1, s1 = b.weight("w1_packed", "uint8", (experts, inter, latent // 2)), b.weight("w1_scale", "uint8", (experts, inter, latent // 32))
-        w3, s3 = b.weight("w3_packed", "uint8", (experts, inter, latent // 2)), b.weight("w3_scale", "uint8", (experts, inter, latent // 32))
-        b.expert_gated(x, ids, y, w1, w3, scale_gate=s1, scale_up=s3, activation="situ", row_tiles=33)
-        weight_bytes = top_k * 2 * inter * (latent // 2 + latent // 32)
+        if mxfp4:
+            w1, s1 = b.weight("w1_packed", "uint8", (experts, inter, latent // 2)), b.weight("w1_scale", "uint8", (experts, inter, latent // 32))
+            w3, s3 = b.weight("w3_packed", "uint8", (experts, inter, latent // 2)), b.weight("w3_scale", "uint8", (experts, inter, latent // 32))
+            b.expert_gated(x, ids, y, w1, w3, scale_gate=s1, scale_up=s3, activation="situ", row_tiles=33)
+            weight_bytes = top_k * 2 * inter * (latent // 2 + latent // 32)
+        else:
+            w1, w3 = b.weight("w1", "bfloat16", (experts, inter, latent)), b.weight("w3", "bfloat16", (experts, inter, latent))
+            b.expert_gated(x, ids, y, w1, w3, activation="situ", row_tiles=33)
+            weight_bytes = top_k * 2 * inter * latent * 2
 
         def inputs(gen, weights, step):
             return {"x": _randn(gen, (1, latent), "cpu").to(torch.bfloat16), "ids": _distinct_ids(gen, 1, top_k, experts, "cpu")}
