@@ -64,8 +64,7 @@ class KernelConfig:
     slot_bytes: int = 16 * 1024
     ring_bytes: int = 0
     records: int = 16
-    # 16-byte vectors per lane per loop trip of the dot loops (0: the default, 1: the rows of a fill give the loads
-    # their parallelism, and a task's code must stay small: a cold variant's instructions come from L2 or HBM)
+    # spans (a 16-byte vector per lane) per loop trip of the bf16 dot loops (0: the default, `dot_unroll`)
     gemv_unroll: int = 0
     # 128-code spans per loop trip of the MXFP4 experts' MMA loops (0: the default, 2: a span is 4 MMAs, and the loop
     # is latency bound with 8 consumer warps, 2 per scheduler; measured 2026-12-02 on the K3-size gated expert GEMV:
@@ -75,6 +74,13 @@ class KernelConfig:
     @property
     def warps(self) -> int:
         return self.threads // 32
+
+    def dot_unroll(self, chains: int) -> int:
+        """gemv_unroll, by default 2 where a span feeds at most 2 MMA chains, else 1. With few chains a span is a
+        few MMAs and the next span's loads fly under them (2 measured 2026-12-04 on every dot loop: Kimi Linear b1
+        -1.0%, the K3 proxies b1 -2.5% / -1.5%, BENCHMARKS.md); with more, the chains' accumulators fill the
+        registers and 2 spans spill (tests/codegen/test_streaming_codegen.py counts the spills)."""
+        return self.gemv_unroll or (2 if chains <= 2 else 1)
 
     @property
     def block_threads(self) -> int:
@@ -95,7 +101,6 @@ class OpCodegen:
 
 @dataclass(frozen=True)
 class GemvTuning:
-    unroll: int
     x_smem: bool = True  # the input is staged in smem; False: read from the arena (gemv_x_in_smem)
 
 
@@ -120,7 +125,7 @@ def x_staging_limit(variants: list[OpVariant]) -> int:
 
 
 def gemv_tuning(p: GemvParams, config: KernelConfig, limit: int = X_SMEM_BUDGET) -> GemvTuning:
-    return GemvTuning(config.gemv_unroll or 1, gemv_x_in_smem(p, limit))
+    return GemvTuning(gemv_x_in_smem(p, limit))
 
 
 # sm_90's 227 KB of dynamic smem per block less the reduction scratch (codegen/emit.py SCRATCH_BYTES).
