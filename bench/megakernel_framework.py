@@ -81,7 +81,7 @@ def copy_bandwidth() -> float:
 
 # GEMV benches: one GEMV tiled over every SM, and chains of dependent GEMVs (each tile waits for the
 # whole previous GEMV, so streaming the next weights before the wait is what keeps HBM busy).
-GEMV_BENCHES = ("bench_gemv_b1_16384x7168", "bench_gemv_b4_16384x7168", "bench_layers8_b1_7168", "bench_chain4_b1_16384x7168",
+GEMV_BENCHES = ("bench_gemv_b1_16384x7168", "bench_gemv_b4_16384x7168", "bench_gemv_b8_16384x7168", "bench_layers8_b1_7168", "bench_chain4_b1_16384x7168",
                 "bench_chain4_b4_16384x7168")  # fmt: skip
 
 

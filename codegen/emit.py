@@ -13,7 +13,7 @@ import jinja2
 
 from k3mk.codegen.ops import OP_CODEGEN, KernelConfig, VariantCode, ring_layout, smem_bytes, variant_code, x_staging_limit
 from k3mk.ir import task_table as tt
-from k3mk.ir.streaming import COMBINE_BATCH_ROWS, MXFP4_SPAN, mxfp4_padded
+from k3mk.ir.streaming import COMBINE_BATCH_ROWS, MXFP4_SPAN, ROW_MMA_SPAN, mxfp4_padded
 from k3mk.ir.task_table import OpVariant
 from k3mk.runtime import abi
 
@@ -34,7 +34,7 @@ _ENV = jinja2.Environment(
     lstrip_blocks=True,
     keep_trailing_newline=True,
 )
-_ENV.globals.update(mxfp4_padded=mxfp4_padded, MXFP4_SPAN=MXFP4_SPAN)  # the MXFP4 experts' staged-x geometry
+_ENV.globals.update(mxfp4_padded=mxfp4_padded, MXFP4_SPAN=MXFP4_SPAN, ROW_MMA_SPAN=ROW_MMA_SPAN)  # staged-x and span geometry
 _ENV.globals.update(COMBINE_BATCH_ROWS=COMBINE_BATCH_ROWS)  # expert_combine's batches of row groups (ir/streaming.py)
 _ENV.globals.update(COMBINE_RESIDUAL_OPERANDS=tt.COMBINE_RESIDUAL_OPERANDS)  # expert_combine's residuals, in add order
 _ENV.globals.update(BLOCK_SUMS=BLOCK_SUMS, group_size=group_size)

@@ -7,10 +7,11 @@ kernel and the check cannot disagree.
 A fill is one slot's worth of one task's weights: a row group of `rows` rows x one K chunk, of every
 stream of the op (a gemv's weight, the gated gemv's weight and weight_up, an MXFP4 expert's codes and
 scales). A row group is adjacent rows of a row-major [out, in] matrix (or of one expert's block of it),
-so each stream of a fill is ONE bulk copy of contiguous bytes, except a batched gemv's rows that are cut
-into chunks (one copy per row: the rows of a chunk are not adjacent) and an MXFP4 expert's codes: their rows
-are the A rows of the consumer warp's m16n8k16 MMAs (at most MMA_ROWS over all code streams of a fill),
-copied in groups of up to MMA_COPY_ROWS rows placed 64 bytes apart in the banks (`Stream.mma_rows`). A
+so each stream of a fill is ONE bulk copy of contiguous bytes, except where rows are the A rows of the consumer
+warp's m16n8k16 MMAs (`Stream.mma_rows`): an MXFP4 expert's code rows (at most MMA_ROWS over all code streams of a
+fill), copied in groups of up to MMA_COPY_ROWS rows placed 64 bytes apart in the banks, and a batched gemv's rows
+(ROW_MMA_ROWS over its streams, the requests the MMAs' columns), cut into chunks and copied one row per copy, each
+row 64 bytes apart mod 128 from the next. A
 task's fills come in a fixed order, in rounds of at most `warps` units that belong to distinct consumer warps,
 each round chunk-major (`chunk_major`: chunk c of every unit of the round, then chunk c + 1), so that the few
 fills a ring holds are every warp's work, not all the chunks of one or two warps' rows:
@@ -34,9 +35,9 @@ router: every event the task waits on comes after it), is why the ring cannot de
 executes it; the argument is in TaskTable.check_deadlock_free).
 
 Chunks and sums: a bf16 consumer warp sums a row in spans of LANE_ORDER_ELEMENTS (32 lanes x one 16-byte
-vector), one pair of m16n8k16 MMAs per span into the same accumulators, span after span
-(codegen/templates/bf16_dot.py.j2), so a row's sum does not depend on how it is cut into chunks: chunks are
-multiples of LANE_ORDER_ELEMENTS. (An MXFP4 row too long for a slot is cut into chunks of whole 128-code spans,
+vector; a batched gemv's, ROW_MMA_SPAN: 4 lanes x one vector, of 16 rows at once), one pair of m16n8k16 MMAs per
+span into the same accumulators, span after span (codegen/templates/bf16_dot.py.j2), so a row's sum does not
+depend on how it is cut into chunks: chunks are multiples of the span. (An MXFP4 row too long for a slot is cut into chunks of whole 128-code spans,
 MXFP4_CHUNK_ELEMENTS; its MMAs sum a row's spans in order, chunk after chunk.)
 """
 
@@ -52,7 +53,12 @@ LANE_ORDER_ELEMENTS = 32 * 8  # bf16: 32 lanes x one 16-byte vector: a span of t
 MXFP4_CHUNK_ELEMENTS = 32 * 32  # MXFP4 chunks (a row longer than a slot): 32 whole 32-code groups (8 spans)
 COMBINE_BATCH_ROWS = 32  # expert_combine: rows whose slot terms wait in smem for the slot-order sum, a batch at a time
 ACCUMULATOR_BUDGET = 16  # rows x batch x gated streams of a fill (bf16: 2 fp32 MMA accumulators per lane each, bf16_dot.py.j2)
-CHUNKED_ROWS = 4  # rows of a batched gemv's chunked fill: its copies per stream (fill_plan)
+# A batched gemv's fill: ROW_MMA_ROWS A rows of the consumer warp's m16n8k16 MMAs (16 rows, or 8 rows' gate and
+# up), the requests B's columns (8 per MMA): every weight vector a lane loads serves 8 requests, and one x
+# vector 16 rows (the diagonal form's 2-row fills at batch 8 read x 4x as often as the weights). A lane loads the
+# span's 16-byte vector t = lane % 4 of rows lane // 4 and lane // 4 + 8 (bf16_dot.py.j2).
+ROW_MMA_ROWS = 16
+ROW_MMA_SPAN = 4 * 8
 # MXFP4 expert fills: the code rows of all streams are A rows 0..7 of the consumer's m16n8k16 MMAs (A rows 8..15
 # hold the same rows' other code pairs, codegen/templates/mxfp4_dot.py.j2), MMA row g reading code row mma_code_row
 MMA_ROWS = 8
@@ -145,9 +151,14 @@ class FillPlan:
         return min(self.chunk, self.in_features - c * self.chunk)
 
     @property
+    def row_mma(self) -> bool:
+        """A batched gemv: its rows are the MMAs' A rows, the requests their columns (ROW_MMA_ROWS)."""
+        return self.op == "gemv" and self.batch > 1
+
+    @property
     def copy_rows(self) -> int:
-        """Rows per bulk copy of an mma_rows stream."""
-        return min(self.rows, MMA_COPY_ROWS)
+        """Rows per bulk copy of an mma_rows stream: a batched gemv's rows of a chunk are not adjacent."""
+        return 1 if self.row_mma else min(self.rows, MMA_COPY_ROWS)
 
     def copy_groups(self) -> int:
         return -(-self.rows // self.copy_rows)
@@ -155,8 +166,7 @@ class FillPlan:
     def group_pitch(self, st: Stream) -> int:
         """Slot bytes from one copy of an mma_rows stream to the next: its rows, padded to 64 mod 128 bytes so
         that consecutive copies (of one stream or the next) fall 16 banks apart."""
-        n = self.copy_rows * st.bytes(self.chunk)
-        return n + (64 - n) % 128
+        return _row_pitch(self.copy_rows * st.bytes(self.chunk))
 
     def row_offset(self, st: Stream, r: int) -> int:
         """Byte offset of row r of mma_rows stream `st` within the stream (the templates render this formula)."""
@@ -256,6 +266,22 @@ def _chunking(k: int, bytes_per_element: float, room: int, lane_order: int, what
     return chunk, -(-k // chunk)
 
 
+def _row_pitch(row_bytes: int) -> int:
+    """Slot bytes from one row of a batched gemv's fill to the next: 64 mod 128, so that the 8 lanes of a wavefront
+    (rows 2q and 2q + 1, 4 vectors each) load 8 distinct 16-byte bank groups (FillPlan.group_pitch)."""
+    return row_bytes + (64 - row_bytes) % 128
+
+
+def _row_mma_chunking(k: int, rows: int, slot_bytes: int, what: str) -> tuple[int, int]:
+    """(chunk, chunks) of a batched gemv: the fewest equal chunks of whole spans (ROW_MMA_SPAN; a chunk of a
+    shorter row is the row) whose `rows` rows, at their pitch, fit a slot."""
+    for chunks in range(1, -(-k // ROW_MMA_SPAN) + 1):
+        chunk = min(k, -(-k // (chunks * ROW_MMA_SPAN)) * ROW_MMA_SPAN)
+        if rows * _row_pitch(chunk * 2) <= slot_bytes:
+            return chunk, -(-k // chunk)
+    raise StreamingError(f"{what}: a {slot_bytes}-byte slot holds no {rows} rows of {ROW_MMA_SPAN} elements")
+
+
 def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | None:
     """The fill geometry of a variant, or None when the op does not stream its weights (it reads global
     memory in its body: every op but the weight GEMVs and the routed experts)."""
@@ -292,16 +318,9 @@ def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | 
         raise StreamingError(f"{op}: an MXFP4 row of {k} elements ({row_bytes} B with its scales) does not fit a {slot_bytes}-byte slot")
     else:
         rows, chunk, chunks = 1, *_chunking(k, row_bytes / k, slot_bytes - slack, lane_order, f"{op} ({len(streams)} stream(s))")
-    if op == "gemv" and batch > 1 and rows < min(max_rows, CHUNKED_ROWS):
-        # A batched gemv whose slot holds few whole rows: cut CHUNKED_ROWS rows into chunks instead (one copy
-        # per row and chunk), so each x vector a lane loads and unpacks serves more rows; taken when a fill
-        # carries no fewer bytes. Measured (BENCHMARKS.md, 2026-12-02 late evening): -10% where x is read from
-        # the arena (wide inputs), +1% on a GEMV whose x is staged; K3 proxy b4 -4.8%.
-        more = min(max_rows, CHUNKED_ROWS)
-        if more * lane_order * row_bytes // k <= slot_bytes - slack:
-            more_chunk, more_chunks = _chunking(k, row_bytes / k * more, slot_bytes - slack, lane_order, f"{op} ({more} rows)")
-            if more * more_chunk >= rows * chunk:
-                rows, chunk, chunks = more, more_chunk, more_chunks
+    if op == "gemv" and batch > 1:
+        streams = tuple(Stream(st.operand, 2, 1, mma_rows=True) for st in streams)
+        rows, chunk, chunks = ROW_MMA_ROWS // len(streams), *_row_mma_chunking(k, ROW_MMA_ROWS, slot_bytes, op)
     plan = FillPlan(op, k, params.out_features, rows, chunk, chunks, streams, batch, top_k, getattr(params, "num_experts", 0))
     for st in streams:
         for c in range(chunks):

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from k3mk.codegen.emit import emit_source
 from k3mk.codegen.ops import MIN_RING_SLOTS, OP_SMEM_LIMIT, CodegenError, KernelConfig, ring_layout
@@ -89,6 +90,8 @@ def test_fill_plans_fit_their_slot_and_keep_each_lanes_summation_order(slot_byte
             # the MMA consumer sums a row's 32-code groups in order, one chunk after another: chunks of whole groups
             assert plan.chunks == 1 or plan.chunk % MXFP4_CHUNK_ELEMENTS == 0
             continue
+        if plan.row_mma:
+            continue  # test_row_mma_fills_are_conflict_free_and_chunk_independent
         # chunk independence: every lane loads the vectors a whole-row loop would, in its order, so each 256-element
         # span is the same MMA pair chunked or not (bf16_dot.py.j2)
         assert lane_vectors_by_chunks(plan, 8) == lane_vectors_whole_row(k, 8), (v, plan)
@@ -144,21 +147,103 @@ def test_chunk_major_order():
     assert len({u % 8 for u, _ in chunk_major(64, 8, 4)[:10]}) == 8
 
 
-def test_batched_gemvs_cut_several_rows_into_chunks():
-    """At batch > 1 a gemv whose slot holds fewer than 4 whole rows streams 4 rows (2 when gated at batch 4: the
-    accumulator budget) of one K chunk per fill, when that carries no fewer bytes; batch 1 keeps whole rows."""
+def test_batched_gemvs_stream_16_mma_rows_of_a_chunk():
+    """At batch > 1 a gemv's fill is 16 MMA A rows (8 rows' gate and up) x one K chunk of whole 32-element spans,
+    the fewest equal chunks whose rows, 64 bytes apart mod 128, fit the slot; batch 1 keeps whole rows."""
     def geometry(params):
         plan = fill_plan("gemv", params, 16 * 1024)
-        return plan.rows, plan.chunk, plan.chunks
+        return plan.rows, plan.chunk, plan.chunks, plan.row_offset(plan.streams[0], 1)
 
-    assert geometry(GemvParams(7168, 16384, 1)) == (1, 7168, 1)
-    assert geometry(GemvParams(7168, 16384, 4)) == (4, 1792, 4)  # 14 KB fills, as one whole row
-    assert geometry(GemvParams(7168, 2048, 4, epilogue="situ_mul")) == (2, 1792, 4)
-    assert geometry(GemvParams(4096, 2304, 4)) == (4, 2048, 2)  # was 2 whole rows
-    assert geometry(GemvParams(9216, 2304, 4)) == (4, 2048, 5)  # was 1 row in 2 chunks of 9 KB
-    # 3 whole rows of 4.6 KB: 4 rows would need 1280-element chunks, 10 KB fills: kept
-    assert geometry(GemvParams(2304, 4096, 4)) == (3, 2304, 1)
-    assert geometry(GemvParams(7168, 16384, 16)) == (1, 7168, 1)  # one row already fills the accumulators
+    assert geometry(GemvParams(7168, 16384, 1))[:3] == (1, 7168, 1)
+    assert geometry(GemvParams(7168, 16384, 4)) == (16, 480, 15, 960)  # 16 x 1024 B rows would need 17 KB padded
+    assert geometry(GemvParams(7168, 2048, 8, epilogue="situ_mul")) == (8, 480, 15, 960)
+    assert geometry(GemvParams(2304, 4096, 2)) == (16, 480, 5, 960)
+    assert geometry(GemvParams(264, 100, 16)) == (16, 264, 1, 576)  # one chunk: the row, padded to 64 mod 128
+    assert geometry(GemvParams(1032, 257, 4)) == (16, 352, 3, 704)
+
+
+def row_mma_lane_vectors(plan) -> dict[int, list[int]]:
+    """Which 16-byte vectors of a row lane 4i + t loads, in order, chunk after chunk: vector t of each 4-vector span."""
+    out = {t: [] for t in range(4)}
+    for c in range(plan.chunks):
+        first, n = c * plan.chunk // 8, -(-plan.chunk_elements(c) // 8)
+        for t in range(4):
+            out[t] += [first + min(s + t, n - 1) for s in range(0, n, 4)]
+    return out
+
+
+@pytest.mark.parametrize("params", [p for p in GEMVS if p.batch > 1] + [GemvParams(7168, 16384, 8), GemvParams(9216, 2304, 8, residuals=1)])
+def test_row_mma_fills_are_conflict_free_and_chunk_independent(params):
+    """A batched gemv's consumer lane 4i + t loads the span's vector t of rows i and i + 8 (gated: row i's gate and
+    up). The 8 lanes of a shared-memory wavefront (i = 2q, 2q + 1) load from distinct 16-byte bank groups in every
+    span (the rows 64 bytes apart mod 128), and the spans a lane sums are the whole row's in order whatever the
+    chunks (spans never straddle a chunk)."""
+    plan = fill_plan("gemv", params, 16 * 1024)
+    assert plan.row_mma and plan.rows * len(plan.streams) == 16 and plan.slot_need <= 16 * 1024
+    gated = len(plan.streams) == 2
+    for c in range(plan.chunks):
+        nv = -(-plan.chunk_elements(c) // 8)
+        for s in range(0, nv, 4):
+            for q in range(4):
+                for load in range(2):  # the two A loads: rows i / i + 8, or gate / up
+                    at = [plan.stream_offset(load if gated else 0) + plan.row_offset(plan.streams[0], i + (0 if gated else 8 * load))
+                          + 16 * min(s + t, nv - 1) for i in (2 * q, 2 * q + 1) for t in range(4)]
+                    # distinct addresses in distinct bank groups (lanes past the row share one address: a broadcast)
+                    assert len({(a // 16) % 8 for a in set(at)}) == len(set(at)), (c, s, q, load)
+    whole = [min(s + t, params.in_features // 8 - 1) for t in range(4) for s in range(0, -(-params.in_features // 8), 4)]
+    by_chunks = row_mma_lane_vectors(plan)
+    if params.in_features % 32 == 0 or plan.chunks == 1:
+        assert [v for t in range(4) for v in by_chunks[t]] == whole
+    assert plan.chunks == 1 or plan.chunk % 32 == 0
+
+
+def mma_m16n8k16(a: list, b: list, c: list) -> list:
+    """The PTX ISA's mma.m16n8k16 .bf16 (row.col) over per-lane fragments, lane 4g + t: A {a0a1, a2a3, a4a5, a6a7} =
+    A[g][2t, 2t + 1], A[g + 8][2t..], A[g][2t + 8..], A[g + 8][2t + 8..]; B {b0b1, b2b3} = B[2t..][g], B[2t + 8..][g];
+    C {c0, c1, c2, c3} = C[g][2t], C[g][2t + 1], C[g + 8][2t], C[g + 8][2t + 1]. a[l][r] / b[l][r]: 2 elements."""
+    A, B = torch.zeros(16, 16, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for r, (row, col) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
+            A[row, col:col + 2] = a[lane][r]
+        for r, k in enumerate((2 * t, 2 * t + 8)):
+            B[k:k + 2, g] = b[lane][r]
+    C = A @ B
+    return [[c[lane][i] + C[lane // 4 + 8 * (i // 2), 2 * (lane % 4) + i % 2] for i in range(4)] for lane in range(32)]
+
+
+@pytest.mark.parametrize("batch", [8, 3, 5])
+def test_row_mma_lane_loads_give_every_rows_dot_with_every_request(batch):
+    """The batched gemv's loop as gemv.py.j2 renders it, on the PTX fragments: lane 4i + t loads the span's vector t
+    of rows i and i + 8 (gated: gate and up of row i) and of request min(i, batch - 1); MMA j takes words 2j, 2j + 1
+    of each (bf16_dot.py.j2 _mma2) into its own chain; lane 4i + t finishes (i, 2t + e) from d[e] and (i + 8, 2t + e)
+    (gated: up) from d[2 + e]. Every output is the row's dot with the request."""
+    gen = torch.Generator().manual_seed(batch)
+    k = 96  # 3 spans
+    w = torch.randn(16, k, generator=gen, dtype=torch.float64)  # the 16 A rows (gated: 8 gates, then 8 ups)
+    x = torch.randn(batch, k, generator=gen, dtype=torch.float64)
+    chains = [[[0.0] * 4 for _ in range(32)] for _ in range(2)]
+    for s in range(k // 32):
+        vec = lambda t: slice(32 * s + 8 * t, 32 * s + 8 * t + 8)  # noqa: E731
+        a = [w[lane // 4, vec(lane % 4)] for lane in range(32)]
+        a2 = [w[lane // 4 + 8, vec(lane % 4)] for lane in range(32)]
+        xv = [x[min(lane // 4, batch - 1), vec(lane % 4)] for lane in range(32)]
+        for j in range(2):
+            words = lambda v, lane, m: v[lane][4 * j + 2 * m:4 * j + 2 * m + 2]  # noqa: E731
+            chains[j] = mma_m16n8k16([[words(a, l, 0), words(a2, l, 0), words(a, l, 1), words(a2, l, 1)] for l in range(32)],
+                                     [[words(xv, l, 0), words(xv, l, 1)] for l in range(32)], chains[j])  # fmt: skip
+    want = w @ x.T  # [16 rows, batch]
+    seen = set()
+    for lane in range(32):
+        i, t = lane // 4, lane % 4
+        for e in range(2):
+            b = 2 * t + e
+            if b >= batch:
+                continue
+            d = [chains[0][lane][m] + chains[1][lane][m] for m in range(4)]
+            assert abs(d[e] - want[i, b]) < 1e-9 and abs(d[2 + e] - want[i + 8, b]) < 1e-9
+            seen |= {(i, b), (i + 8, b)}
+    assert seen == {(r, b) for r in range(16) for b in range(batch)}  # gated: (i, b) gate and (i + 8, b) up
 
 
 def test_mxfp4_scale_windows():

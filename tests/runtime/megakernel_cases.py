@@ -220,6 +220,7 @@ def all_cases() -> dict[str, Case]:
         hang_case(),
         bench_case(1, 7168, 16384, ctas=132, tasks_per_cta=4),
         bench_case(4, 7168, 16384, ctas=132, tasks_per_cta=4),
+        bench_case(8, 7168, 16384, ctas=132, tasks_per_cta=4),
         bench_layers_case(1, 7168, 8, ctas=132, tasks_per_cta=2),
         bench_chain_case(1, 7168, 16384, 4, ctas=132, tasks_per_cta=4),
         bench_chain_case(4, 7168, 16384, 4, ctas=132, tasks_per_cta=4),
