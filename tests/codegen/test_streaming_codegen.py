@@ -37,6 +37,7 @@ GEMVS = [
     GemvParams(136, 640, 1, epilogue="kda_gate", out_dtype="float32", head_dim=128, lower_bound=-5.0),
     GemvParams(264, 384, 4, rmsnorm=True, epilogue="kda_gate", out_dtype="float32", head_dim=128),
     GemvParams(520, 640, 1, rmsnorm=True, epilogue="gated_rmsnorm", head_dim=128, o_eps=1e-5),
+    GemvParams(520, 640, 4, rmsnorm=True, epilogue="gated_rmsnorm", head_dim=128, o_eps=1e-5),
     GemvParams(2304, 4096, 1, rmsnorm=True),
     GemvParams(9216, 2304, 1, residuals=1),
     GemvParams(2304, 9216, 1, rmsnorm=True, epilogue="silu_mul"),
