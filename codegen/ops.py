@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from k3mk.ir.streaming import FillPlan, StreamingError, fill_plan
+from k3mk.ir.streaming import X_STAGE_BYTES, FillPlan, StreamingError, fill_plan
 from k3mk.ir.task_table import (
     MAX_ATTN_RES_SOURCES,
     OP_KINDS,
@@ -42,7 +42,6 @@ from k3mk.ir.task_table import (
 VECTOR_ELEMENTS = 8  # bf16 per 16-byte load
 MAX_BATCH = 16
 X_SMEM_BUDGET = 160 * 1024  # GEMV stages its (normalised) input in shared memory
-X_STAGE_BYTES = 64 * 1024  # ... and an input it could read from the arena up to this (x_staging_limit)
 PRODUCER_THREADS = 32  # one producer warp beside the consumers (it also forwards the task records)
 HANDOFF_THREADS = 64  # the waiter and the signaller warps (megakernel.py.j2: events waited and released off the consumers)
 
@@ -342,6 +341,8 @@ def variant_code(index: int, variant: OpVariant, config: KernelConfig, x_limit: 
         plan = fill_plan(variant.op, variant.params, config.slot_bytes)
     except StreamingError as e:
         raise CodegenError(str(e)) from None
+    if plan is not None and plan.row_mma and not tuning.x_smem:  # ir/streaming.py gemv_stages_x promised it
+        raise CodegenError(f"gemv {variant.params}: a row-MMA fill plan but its input is not staged")
     return VariantCode(index, variant.op, variant.params, f"op{index}_{variant.op}", gen.produce or plan is not None, tuning, plan, gen.sync)
 
 

@@ -10,8 +10,9 @@ scales). A row group is adjacent rows of a row-major [out, in] matrix (or of one
 so each stream of a fill is ONE bulk copy of contiguous bytes, except where rows are the A rows of the consumer
 warp's m16n8k16 MMAs (`Stream.mma_rows`): an MXFP4 expert's code rows (at most MMA_ROWS over all code streams of a
 fill), copied in groups of up to MMA_COPY_ROWS rows placed 64 bytes apart in the banks, and a batched gemv's rows
-(ROW_MMA_ROWS over its streams, the requests the MMAs' columns), cut into chunks and copied one row per copy, each
-row 64 bytes apart mod 128 from the next. A
+(ROW_MMA_ROWS over its streams, the requests the MMAs' columns, where its input is staged), cut into chunks and
+copied one row per copy, each row 64 bytes apart mod 128 from the next; the diagonal form's batched rows cut into
+chunks (CHUNKED_ROWS) are copied one row per copy too. A
 task's fills come in a fixed order, in rounds of at most `warps` units that belong to distinct consumer warps,
 each round chunk-major (`chunk_major`: chunk c of every unit of the round, then chunk c + 1), so that the few
 fills a ring holds are every warp's work, not all the chunks of one or two warps' rows:
@@ -57,8 +58,13 @@ ACCUMULATOR_BUDGET = 16  # rows x batch x gated streams of a fill (bf16: 2 fp32 
 # up), the requests B's columns (8 per MMA): every weight vector a lane loads serves 8 requests, and one x
 # vector 16 rows (the diagonal form's 2-row fills at batch 8 read x 4x as often as the weights). A lane loads the
 # span's 16-byte vector t = lane % 4 of rows lane // 4 and lane // 4 + 8 (bf16_dot.py.j2).
+# Only where the gemv's input is staged in shared memory in every kernel (`gemv_stages_x`): a row MMA reading x
+# from the arena waits on L2 for every span with only a task's 1-2 groups' warps busy (2026-12-04: bench_chain4_b4 780
+# vs 344 us, bench_gemv_b8 152 vs 124 us); there the batched gemv keeps the diagonal form's CHUNKED_ROWS fills.
 ROW_MMA_ROWS = 16
 ROW_MMA_SPAN = 4 * 8
+CHUNKED_ROWS = 4  # rows of a batched gemv's chunked fill in the diagonal form: its copies per stream (fill_plan)
+X_STAGE_BYTES = 64 * 1024  # a gemv stages an input it could read from the arena up to this (codegen/ops.py x_staging_limit)
 # MXFP4 expert fills: the code rows of all streams are A rows 0..7 of the consumer's m16n8k16 MMAs (A rows 8..15
 # hold the same rows' other code pairs, codegen/templates/mxfp4_dot.py.j2), MMA row g reading code row mma_code_row
 MMA_ROWS = 8
@@ -146,14 +152,10 @@ class FillPlan:
     batch: int
     top_k: int = 1
     num_experts: int = 0  # the routed experts'
+    row_mma: bool = False  # a batched gemv whose rows are the MMAs' A rows, the requests their columns (ROW_MMA_ROWS)
 
     def chunk_elements(self, c: int) -> int:
         return min(self.chunk, self.in_features - c * self.chunk)
-
-    @property
-    def row_mma(self) -> bool:
-        """A batched gemv: its rows are the MMAs' A rows, the requests their columns (ROW_MMA_ROWS)."""
-        return self.op == "gemv" and self.batch > 1
 
     @property
     def copy_rows(self) -> int:
@@ -282,6 +284,12 @@ def _row_mma_chunking(k: int, rows: int, slot_bytes: int, what: str) -> tuple[in
     raise StreamingError(f"{what}: a {slot_bytes}-byte slot holds no {rows} rows of {ROW_MMA_SPAN} elements")
 
 
+def gemv_stages_x(params: Any) -> bool:
+    """Whether a gemv's input is in shared memory in every kernel: its rmsnorm prologue or gated_rmsnorm statistics
+    need the copy, or it fits X_STAGE_BYTES (codegen/ops.py gemv_x_in_smem)."""
+    return params.rmsnorm or params.epilogue == "gated_rmsnorm" or params.batch * params.in_features * 2 <= X_STAGE_BYTES
+
+
 def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | None:
     """The fill geometry of a variant, or None when the op does not stream its weights (it reads global
     memory in its body: every op but the weight GEMVs and the routed experts)."""
@@ -318,10 +326,21 @@ def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | 
         raise StreamingError(f"{op}: an MXFP4 row of {k} elements ({row_bytes} B with its scales) does not fit a {slot_bytes}-byte slot")
     else:
         rows, chunk, chunks = 1, *_chunking(k, row_bytes / k, slot_bytes - slack, lane_order, f"{op} ({len(streams)} stream(s))")
-    if op == "gemv" and batch > 1:
+    row_mma = op == "gemv" and batch > 1 and gemv_stages_x(params)
+    if row_mma:
         streams = tuple(Stream(st.operand, 2, 1, mma_rows=True) for st in streams)
         rows, chunk, chunks = ROW_MMA_ROWS // len(streams), *_row_mma_chunking(k, ROW_MMA_ROWS, slot_bytes, op)
-    plan = FillPlan(op, k, params.out_features, rows, chunk, chunks, streams, batch, top_k, getattr(params, "num_experts", 0))
+    elif op == "gemv" and batch > 1 and rows < min(max_rows, CHUNKED_ROWS):
+        # A batched gemv whose slot holds few whole rows: cut CHUNKED_ROWS rows into chunks instead (one copy
+        # per row and chunk), so each x vector a lane loads and unpacks serves more rows; taken when a fill
+        # carries no fewer bytes. Measured (BENCHMARKS.md, 2026-12-02 late evening): -10% where x is read from
+        # the arena (wide inputs), +1% on a GEMV whose x is staged; K3 proxy b4 -4.8%.
+        more = min(max_rows, CHUNKED_ROWS)
+        if more * lane_order * row_bytes // k <= slot_bytes - slack:
+            more_chunk, more_chunks = _chunking(k, row_bytes / k * more, slot_bytes - slack, lane_order, f"{op} ({more} rows)")
+            if more * more_chunk >= rows * chunk:
+                rows, chunk, chunks = more, more_chunk, more_chunks
+    plan = FillPlan(op, k, params.out_features, rows, chunk, chunks, streams, batch, top_k, getattr(params, "num_experts", 0), row_mma)
     for st in streams:
         for c in range(chunks):
             if not st.window and (st.bytes(plan.chunk_elements(c)) % VECTOR_BYTES or st.bytes(k) % VECTOR_BYTES):

@@ -149,18 +149,25 @@ def test_chunk_major_order():
 
 
 def test_batched_gemvs_stream_16_mma_rows_of_a_chunk():
-    """At batch > 1 a gemv's fill is 16 MMA A rows (8 rows' gate and up) x one K chunk of whole 32-element spans,
-    the fewest equal chunks whose rows, 64 bytes apart mod 128, fit the slot; batch 1 keeps whole rows."""
+    """At batch > 1 a gemv whose input is staged (ir/streaming.py gemv_stages_x) streams 16 MMA A rows (8 rows' gate and
+    up) x one K chunk of whole 32-element spans per fill, the fewest equal chunks whose rows, 64 bytes apart mod 128,
+    fit the slot. One that reads x from the arena keeps the diagonal form: 4 rows (2 gated at batch 4: the
+    accumulator budget) of one K chunk when its slot holds fewer whole rows; batch 1 keeps whole rows."""
     def geometry(params):
         plan = fill_plan("gemv", params, 16 * 1024)
-        return plan.rows, plan.chunk, plan.chunks, plan.row_offset(plan.streams[0], 1)
+        return plan.rows, plan.chunk, plan.chunks, plan.row_offset(plan.streams[0], 1) if plan.row_mma else None
 
-    assert geometry(GemvParams(7168, 16384, 1))[:3] == (1, 7168, 1)
+    assert geometry(GemvParams(7168, 16384, 1)) == (1, 7168, 1, None)
     assert geometry(GemvParams(7168, 16384, 4)) == (16, 480, 15, 960)  # 16 x 1024 B rows would need 17 KB padded
-    assert geometry(GemvParams(7168, 2048, 8, epilogue="situ_mul")) == (8, 480, 15, 960)
-    assert geometry(GemvParams(2304, 4096, 2)) == (16, 480, 5, 960)
+    assert geometry(GemvParams(7168, 2048, 4, epilogue="situ_mul")) == (8, 480, 15, 960)
+    assert geometry(GemvParams(2304, 4096, 8)) == (16, 480, 5, 960)
     assert geometry(GemvParams(264, 100, 16)) == (16, 264, 1, 576)  # one chunk: the row, padded to 64 mod 128
     assert geometry(GemvParams(1032, 257, 4)) == (16, 352, 3, 704)
+    assert geometry(GemvParams(7168, 2048, 8, rmsnorm=True, epilogue="situ_mul")) == (8, 480, 15, 960)  # staged: normed
+    # x read from the arena (over X_STAGE_BYTES, no prologue): the diagonal form's chunked rows
+    assert geometry(GemvParams(9216, 2304, 4)) == (4, 2048, 5, None)
+    assert geometry(GemvParams(7168, 16384, 8)) == (2, 3584, 2, None)
+    assert geometry(GemvParams(7168, 16384, 16)) == (1, 7168, 1, None)  # one row already fills the accumulators
 
 
 def row_mma_lane_vectors(plan) -> dict[int, list[int]]:
@@ -173,7 +180,7 @@ def row_mma_lane_vectors(plan) -> dict[int, list[int]]:
     return out
 
 
-@pytest.mark.parametrize("params", [p for p in GEMVS if p.batch > 1] + [GemvParams(7168, 16384, 8), GemvParams(9216, 2304, 8, residuals=1)])
+@pytest.mark.parametrize("params", [p for p in GEMVS if p.batch > 1 and fill_plan("gemv", p).row_mma] + [GemvParams(4096, 2304, 8, residuals=1)])
 def test_row_mma_fills_are_conflict_free_and_chunk_independent(params):
     """A batched gemv's consumer lane 4i + t loads the span's vector t of rows i and i + 8 (gated: row i's gate and
     up). The 8 lanes of a shared-memory wavefront (i = 2q, 2q + 1) load from distinct 16-byte bank groups in every
