@@ -58,10 +58,13 @@ ACCUMULATOR_BUDGET = 16  # rows x batch x gated streams of a fill (bf16: 2 fp32 
 # up), the requests B's columns (8 per MMA): every weight vector a lane loads serves 8 requests, and one x
 # vector 16 rows (the diagonal form's 2-row fills at batch 8 read x 4x as often as the weights). A lane loads the
 # span's 16-byte vector t = lane % 4 of rows lane // 4 and lane // 4 + 8 (bf16_dot.py.j2).
-# Only where the gemv's input is staged in shared memory in every kernel (`gemv_stages_x`): a row MMA reading x
-# from the arena waits on L2 for every span with only a task's 1-2 groups' warps busy (2026-12-04: bench_chain4_b4 780
-# vs 344 us, bench_gemv_b8 152 vs 124 us); there the batched gemv keeps the diagonal form's CHUNKED_ROWS fills.
+# Only from ROW_MMA_MIN_BATCH requests and where the input is staged in shared memory in every kernel
+# (`gemv_stages_x`); elsewhere the batched gemv keeps the diagonal form's CHUNKED_ROWS fills. A 16-row group leaves
+# most warps of a task idle (a 32-row tile is 2 groups): a row MMA reading x from the arena waits on L2 for every span
+# (2026-12-04: bench_chain4_b4 780 vs 344 us, bench_gemv_b8 152 vs 124 us), and at batch 2, where the diagonal form
+# loads only 2 x vectors per weight vector, the grid was 3-7% slower (BENCHMARKS.md, 2026-12-04 afternoon).
 ROW_MMA_ROWS = 16
+ROW_MMA_MIN_BATCH = 4
 ROW_MMA_SPAN = 4 * 8
 CHUNKED_ROWS = 4  # rows of a batched gemv's chunked fill in the diagonal form: its copies per stream (fill_plan)
 X_STAGE_BYTES = 64 * 1024  # a gemv stages an input it could read from the arena up to this (codegen/ops.py x_staging_limit)
@@ -326,7 +329,7 @@ def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | 
         raise StreamingError(f"{op}: an MXFP4 row of {k} elements ({row_bytes} B with its scales) does not fit a {slot_bytes}-byte slot")
     else:
         rows, chunk, chunks = 1, *_chunking(k, row_bytes / k, slot_bytes - slack, lane_order, f"{op} ({len(streams)} stream(s))")
-    row_mma = op == "gemv" and batch > 1 and gemv_stages_x(params)
+    row_mma = op == "gemv" and batch >= ROW_MMA_MIN_BATCH and gemv_stages_x(params)
     if row_mma:
         streams = tuple(Stream(st.operand, 2, 1, mma_rows=True) for st in streams)
         rows, chunk, chunks = ROW_MMA_ROWS // len(streams), *_row_mma_chunking(k, ROW_MMA_ROWS, slot_bytes, op)

@@ -149,9 +149,9 @@ def test_chunk_major_order():
 
 
 def test_batched_gemvs_stream_16_mma_rows_of_a_chunk():
-    """At batch > 1 a gemv whose input is staged (ir/streaming.py gemv_stages_x) streams 16 MMA A rows (8 rows' gate and
+    """From batch 4 a gemv whose input is staged (ir/streaming.py gemv_stages_x) streams 16 MMA A rows (8 rows' gate and
     up) x one K chunk of whole 32-element spans per fill, the fewest equal chunks whose rows, 64 bytes apart mod 128,
-    fit the slot. One that reads x from the arena keeps the diagonal form: 4 rows (2 gated at batch 4: the
+    fit the slot. One that reads x from the arena, or of 2 requests, keeps the diagonal form: 4 rows (2 gated at batch 4: the
     accumulator budget) of one K chunk when its slot holds fewer whole rows; batch 1 keeps whole rows."""
     def geometry(params):
         plan = fill_plan("gemv", params, 16 * 1024)
@@ -161,6 +161,7 @@ def test_batched_gemvs_stream_16_mma_rows_of_a_chunk():
     assert geometry(GemvParams(7168, 16384, 4)) == (16, 480, 15, 960)  # 16 x 1024 B rows would need 17 KB padded
     assert geometry(GemvParams(7168, 2048, 4, epilogue="situ_mul")) == (8, 480, 15, 960)
     assert geometry(GemvParams(2304, 4096, 8)) == (16, 480, 5, 960)
+    assert geometry(GemvParams(2304, 4096, 2)) == (3, 2304, 1, None)  # batch 2: the diagonal form (ROW_MMA_MIN_BATCH)
     assert geometry(GemvParams(264, 100, 16)) == (16, 264, 1, 576)  # one chunk: the row, padded to 64 mod 128
     assert geometry(GemvParams(1032, 257, 4)) == (16, 352, 3, 704)
     assert geometry(GemvParams(7168, 2048, 8, rmsnorm=True, epilogue="situ_mul")) == (8, 480, 15, 960)  # staged: normed
