@@ -11,7 +11,17 @@ from types import SimpleNamespace
 
 import jinja2
 
-from k3mk.codegen.ops import OP_CODEGEN, KernelConfig, VariantCode, ring_layout, smem_bytes, variant_code, x_staging_limit
+from k3mk.codegen.ops import (
+    OP_CODEGEN,
+    PARTIAL_WARPS,
+    KernelConfig,
+    VariantCode,
+    gemv_partials_offset,
+    ring_layout,
+    smem_bytes,
+    variant_code,
+    x_staging_limit,
+)
 from k3mk.ir import task_table as tt
 from k3mk.ir.streaming import COMBINE_BATCH_ROWS, MXFP4_SPAN, ROW_MMA_SPAN, mxfp4_padded
 from k3mk.ir.task_table import OpVariant
@@ -38,6 +48,7 @@ _ENV.globals.update(mxfp4_padded=mxfp4_padded, MXFP4_SPAN=MXFP4_SPAN, ROW_MMA_SP
 _ENV.globals.update(COMBINE_BATCH_ROWS=COMBINE_BATCH_ROWS)  # expert_combine's batches of row groups (ir/streaming.py)
 _ENV.globals.update(COMBINE_RESIDUAL_OPERANDS=tt.COMBINE_RESIDUAL_OPERANDS)  # expert_combine's residuals, in add order
 _ENV.globals.update(BLOCK_SUMS=BLOCK_SUMS, group_size=group_size)
+_ENV.globals.update(gemv_partials_offset=gemv_partials_offset, PARTIAL_WARPS=PARTIAL_WARPS)  # a row-MMA gemv's partial sums
 
 
 def dynamic_smem_bytes(variants: list[OpVariant], config: KernelConfig = KernelConfig()) -> int:

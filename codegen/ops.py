@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from k3mk.ir.streaming import X_STAGE_BYTES, FillPlan, StreamingError, fill_plan
+from k3mk.ir.streaming import X_STAGE_BYTES, FillPlan, StreamingError, fill_plan, gemv_row_mma
 from k3mk.ir.task_table import (
     MAX_ATTN_RES_SOURCES,
     OP_KINDS,
@@ -256,13 +256,29 @@ def _gemv_rstd_offset(p: GemvParams) -> int:
     return (p.batch * p.in_features * 2 + 15) // 16 * 16
 
 
-def _gemv_op_smem(p: GemvParams, limit: int = X_SMEM_BUDGET) -> int:
-    """The register path's smem: the staged input (and the rstd table)."""
-    if not gemv_x_in_smem(p, limit):
-        return 0  # x read from the arena (no rmsnorm, no gated_rmsnorm: _check_gemv)
+# A row-MMA gemv's partial C fragments (gemv.py.j2): per consumer warp 32 lanes x 4 fp32 per n-tile of 8 requests
+# (4 KB per n-tile at 8 warps), after the staged input (and the rstd table)
+PARTIAL_WARPS = KernelConfig().warps
+
+
+def _gemv_staged_bytes(p: GemvParams) -> int:
+    """The staged input, and gated_rmsnorm's rstd table after it."""
     if p.epilogue == "gated_rmsnorm":
         return _gemv_rstd_offset(p) + p.batch * (p.out_features // p.head_dim) * 4
     return p.batch * p.in_features * 2
+
+
+def gemv_partials_offset(p: GemvParams) -> int:
+    return (_gemv_staged_bytes(p) + 15) // 16 * 16
+
+
+def _gemv_op_smem(p: GemvParams, limit: int = X_SMEM_BUDGET) -> int:
+    """The register path's smem: the staged input (and the rstd table), then a row-MMA gemv's partial sums."""
+    if not gemv_x_in_smem(p, limit):
+        return 0  # x read from the arena (no rmsnorm, no gated_rmsnorm: _check_gemv)
+    if gemv_row_mma(p):
+        return gemv_partials_offset(p) + PARTIAL_WARPS * 32 * 16 * -(-p.batch // 8)
+    return _gemv_staged_bytes(p)
 
 
 def _check_rmsnorm(p: RmsnormParams) -> None:
@@ -341,8 +357,8 @@ def variant_code(index: int, variant: OpVariant, config: KernelConfig, x_limit: 
         plan = fill_plan(variant.op, variant.params, config.slot_bytes)
     except StreamingError as e:
         raise CodegenError(str(e)) from None
-    if plan is not None and plan.row_mma and not tuning.x_smem:  # ir/streaming.py gemv_stages_x promised it
-        raise CodegenError(f"gemv {variant.params}: a row-MMA fill plan but its input is not staged")
+    if plan is not None and plan.row_mma and (not tuning.x_smem or config.warps > PARTIAL_WARPS):  # _gemv_op_smem's sizes
+        raise CodegenError(f"gemv {variant.params}: a row-MMA plan needs its input staged and at most {PARTIAL_WARPS} consumer warps")
     return VariantCode(index, variant.op, variant.params, f"op{index}_{variant.op}", gen.produce or plan is not None, tuning, plan, gen.sync)
 
 

@@ -17,7 +17,9 @@ task's fills come in a fixed order, in rounds of at most `warps` units that belo
 each round chunk-major (`chunk_major`: chunk c of every unit of the round, then chunk c + 1), so that the few
 fills a ring holds are every warp's work, not all the chunks of one or two warps' rows:
 
-  gemv            units = row groups g, warp g % warps
+  gemv            units = row groups g, warp g % warps; a row-MMA gemv (FillPlan.row_mma): a round of n groups has
+                  wg = min(warps // n, chunks) warps per group (`row_mma_warps`), chunk c of group i warp i + n * (c % wg),
+                  whose partial sums meet in shared memory at the round's end
   expert_gated    for u in the task's experts: units = row groups g, warp (u * groups + g) % warps  (rounds within an
                   expert: the producer divides nothing per fill). Grouped (batch > 1, FillPlan.grouped) the task's experts are the step's
                   distinct experts n = slot, slot + top_k, ... (`routing_units`), each applied to every request
@@ -58,11 +60,16 @@ ACCUMULATOR_BUDGET = 16  # rows x batch x gated streams of a fill (bf16: 2 fp32 
 # up), the requests B's columns (8 per MMA): every weight vector a lane loads serves 8 requests, and one x
 # vector 16 rows (the diagonal form's 2-row fills at batch 8 read x 4x as often as the weights). A lane loads the
 # span's 16-byte vector t = lane % 4 of rows lane // 4 and lane // 4 + 8 (bf16_dot.py.j2).
-# Only from ROW_MMA_MIN_BATCH requests and where the input is staged in shared memory in every kernel
-# (`gemv_stages_x`); elsewhere the batched gemv keeps the diagonal form's CHUNKED_ROWS fills. A 16-row group leaves
-# most warps of a task idle (a 32-row tile is 2 groups): a row MMA reading x from the arena waits on L2 for every span
-# (2026-12-04: bench_chain4_b4 780 vs 344 us, bench_gemv_b8 152 vs 124 us), and at batch 2, where the diagonal form
-# loads only 2 x vectors per weight vector, the grid was 3-7% slower (BENCHMARKS.md, 2026-12-04 afternoon).
+# A round's groups share the task's warps (`row_mma_warps`: wg = min(warps // n, chunks) per group of a round of n),
+# each warp taking every wg-th chunk of its group; their partial C fragments are summed in shared memory in warp order after
+# ONE consumer barrier per round, every consumer thread summing and finishing a share of the round's outputs
+# (gemv.py.j2). Measured before: one warp per group left most of a task's 8 warps idle (a 32-row tile is 2 groups),
+# and a group's chunks over all 8 warps with a barrier per group and one warp finishing was slower (its tail: the
+# slowest warp, then one warp's epilogue; BENCHMARKS.md, 2026-12-04 afternoon). Only from ROW_MMA_MIN_BATCH
+# requests and where the input is staged in shared memory in every kernel (`gemv_stages_x`); elsewhere the batched
+# gemv keeps the diagonal form's CHUNKED_ROWS fills. Measured with one warp per group: reading x from the arena, a
+# row MMA waits on L2 for every span (bench_chain4_b4 780 vs 344 us, bench_gemv_b8 152 vs 124 us); at batch 2 the
+# grid was 3-7% slower.
 ROW_MMA_ROWS = 16
 ROW_MMA_MIN_BATCH = 4
 ROW_MMA_SPAN = 4 * 8
@@ -230,6 +237,12 @@ class FillPlan:
         """The consumer warp of each fill of a task, in issue order (module docstring; a grouped task's: with every
         pair's expert distinct)."""
         groups = self.groups(row_count)
+        if self.row_mma:
+            out = []
+            for g0 in range(0, groups, warps):
+                n = min(warps, groups - g0)
+                out += [g % n + n * (c % row_mma_warps(n, warps, self.chunks)) for g, c in chunk_major(n, warps, self.chunks)]
+            return out
         if self.op == "gemv":
             return [g % warps for g, _ in chunk_major(groups, warps, self.chunks)]
         if self.op == "expert_gated":
@@ -293,6 +306,17 @@ def gemv_stages_x(params: Any) -> bool:
     return params.rmsnorm or params.epilogue == "gated_rmsnorm" or params.batch * params.in_features * 2 <= X_STAGE_BYTES
 
 
+def row_mma_warps(n: int, warps: int, chunks: int) -> int:
+    """Consumer warps per row group of a row-MMA gemv's round of n groups (module docstring): warp w < n * this takes
+    group w % n's chunks c with c % this == w // n; the rest of the warps wait at the round's barrier."""
+    return min(warps // n, chunks)
+
+
+def gemv_row_mma(params: Any) -> bool:
+    """Whether a gemv runs on row MMAs (ROW_MMA_ROWS): from ROW_MMA_MIN_BATCH requests, its input staged."""
+    return params.batch >= ROW_MMA_MIN_BATCH and gemv_stages_x(params)
+
+
 def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | None:
     """The fill geometry of a variant, or None when the op does not stream its weights (it reads global
     memory in its body: every op but the weight GEMVs and the routed experts)."""
@@ -329,7 +353,7 @@ def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | 
         raise StreamingError(f"{op}: an MXFP4 row of {k} elements ({row_bytes} B with its scales) does not fit a {slot_bytes}-byte slot")
     else:
         rows, chunk, chunks = 1, *_chunking(k, row_bytes / k, slot_bytes - slack, lane_order, f"{op} ({len(streams)} stream(s))")
-    row_mma = op == "gemv" and batch >= ROW_MMA_MIN_BATCH and gemv_stages_x(params)
+    row_mma = op == "gemv" and gemv_row_mma(params)
     if row_mma:
         streams = tuple(Stream(st.operand, 2, 1, mma_rows=True) for st in streams)
         rows, chunk, chunks = ROW_MMA_ROWS // len(streams), *_row_mma_chunking(k, ROW_MMA_ROWS, slot_bytes, op)
