@@ -256,8 +256,9 @@ def _gemv_rstd_offset(p: GemvParams) -> int:
     return (p.batch * p.in_features * 2 + 15) // 16 * 16
 
 
-# A row-MMA gemv's partial C fragments (gemv.py.j2): per consumer warp 32 lanes x 4 fp32 per n-tile of 8 requests
-# (4 KB per n-tile at 8 warps), after the staged input (and the rstd table)
+# A row-MMA gemv's partial C fragments where a task of one group is split over the warps (gemv.py.j2,
+# ir/streaming.py FillPlan.split_warps): per consumer warp 32 lanes x 4 fp32 per n-tile of 8 requests (4 KB per
+# n-tile at 8 warps), after the staged input (and the rstd table)
 PARTIAL_WARPS = KernelConfig().warps
 
 
@@ -276,7 +277,7 @@ def _gemv_op_smem(p: GemvParams, limit: int = X_SMEM_BUDGET) -> int:
     """The register path's smem: the staged input (and the rstd table), then a row-MMA gemv's partial sums."""
     if not gemv_x_in_smem(p, limit):
         return 0  # x read from the arena (no rmsnorm, no gated_rmsnorm: _check_gemv)
-    if gemv_row_mma(p):
+    if gemv_row_mma(p) and p.epilogue not in ("silu_mul", "situ_mul"):  # a one-group task's split (FillPlan.split_warps)
         return gemv_partials_offset(p) + PARTIAL_WARPS * 32 * 16 * -(-p.batch // 8)
     return _gemv_staged_bytes(p)
 

@@ -17,9 +17,8 @@ task's fills come in a fixed order, in rounds of at most `warps` units that belo
 each round chunk-major (`chunk_major`: chunk c of every unit of the round, then chunk c + 1), so that the few
 fills a ring holds are every warp's work, not all the chunks of one or two warps' rows:
 
-  gemv            units = row groups g, warp g % warps; a row-MMA gemv (FillPlan.row_mma): a round of n groups has
-                  wg = min(warps // n, chunks) warps per group (`row_mma_warps`), chunk c of group i warp i + n * (c % wg),
-                  whose partial sums meet in shared memory at the round's end
+  gemv            units = row groups g, warp g % warps; a row-MMA gemv's task of ONE group (FillPlan.row_mma,
+                  `split_warps`): chunk c warp c % min(warps, chunks), the partial sums meeting in shared memory
   expert_gated    for u in the task's experts: units = row groups g, warp (u * groups + g) % warps  (rounds within an
                   expert: the producer divides nothing per fill). Grouped (batch > 1, FillPlan.grouped) the task's experts are the step's
                   distinct experts n = slot, slot + top_k, ... (`routing_units`), each applied to every request
@@ -60,12 +59,12 @@ ACCUMULATOR_BUDGET = 16  # rows x batch x gated streams of a fill (bf16: 2 fp32 
 # up), the requests B's columns (8 per MMA): every weight vector a lane loads serves 8 requests, and one x
 # vector 16 rows (the diagonal form's 2-row fills at batch 8 read x 4x as often as the weights). A lane loads the
 # span's 16-byte vector t = lane % 4 of rows lane // 4 and lane // 4 + 8 (bf16_dot.py.j2).
-# A round's groups share the task's warps (`row_mma_warps`: wg = min(warps // n, chunks) per group of a round of n),
-# each warp taking every wg-th chunk of its group; their partial C fragments are summed in shared memory in warp order after
-# ONE consumer barrier per round, every consumer thread summing and finishing a share of the round's outputs
-# (gemv.py.j2). Measured before: one warp per group left most of a task's 8 warps idle (a 32-row tile is 2 groups),
-# and a group's chunks over all 8 warps with a barrier per group and one warp finishing was slower (its tail: the
-# slowest warp, then one warp's epilogue; BENCHMARKS.md, 2026-12-04 afternoon). Only from ROW_MMA_MIN_BATCH
+# A group is one consumer warp's, except in a non-gated task of one group, whose chunks go over min(warps, chunks) warps
+# (`FillPlan.split_warps`), their partial C fragments summed in shared memory in warp order after a consumer barrier (gemv.py.j2):
+# a one-group task (a router, a narrow projection) left 7 of 8 warps idle, and its bodies took 17-22% less time split.
+# Splitting every task's groups over the warps (rounds of n groups, 8 // n warps each, one barrier per round) was slower:
+# a task of 2+ groups gets its fills no faster than one warp per group takes them, and the barrier and shared-memory
+# epilogue cost more than the faster sums saved (BENCHMARKS.md, 2026-12-04 evening). Only from ROW_MMA_MIN_BATCH
 # requests and where the input is staged in shared memory in every kernel (`gemv_stages_x`); elsewhere the batched
 # gemv keeps the diagonal form's CHUNKED_ROWS fills. Measured with one warp per group: reading x from the arena, a
 # row MMA waits on L2 for every span (bench_chain4_b4 780 vs 344 us, bench_gemv_b8 152 vs 124 us); at batch 2 the
@@ -233,16 +232,17 @@ class FillPlan:
         reps = self.batch * (self.top_k if self.op == "expert_combine" else 1) if self.op != "gemv" else 1
         return reps * self.groups(row_count) * self.chunks
 
+    def split_warps(self, warps: int) -> int:
+        """Consumer warps over which a row-MMA gemv's task of ONE group spreads its chunks (module docstring): warp w
+        takes chunks w, w + this, ...; gated variants keep one warp per group (a second copy of their epilogue spilled)."""
+        return min(warps, self.chunks) if self.row_mma and len(self.streams) == 1 else 1
+
     def owners(self, row_count: int, warps: int) -> list[int]:
         """The consumer warp of each fill of a task, in issue order (module docstring; a grouped task's: with every
         pair's expert distinct)."""
         groups = self.groups(row_count)
-        if self.row_mma:
-            out = []
-            for g0 in range(0, groups, warps):
-                n = min(warps, groups - g0)
-                out += [g % n + n * (c % row_mma_warps(n, warps, self.chunks)) for g, c in chunk_major(n, warps, self.chunks)]
-            return out
+        if self.row_mma and groups == 1:
+            return [c % self.split_warps(warps) for c in range(self.chunks)]
         if self.op == "gemv":
             return [g % warps for g, _ in chunk_major(groups, warps, self.chunks)]
         if self.op == "expert_gated":
@@ -304,12 +304,6 @@ def gemv_stages_x(params: Any) -> bool:
     """Whether a gemv's input is in shared memory in every kernel: its rmsnorm prologue or gated_rmsnorm statistics
     need the copy, or it fits X_STAGE_BYTES (codegen/ops.py gemv_x_in_smem)."""
     return params.rmsnorm or params.epilogue == "gated_rmsnorm" or params.batch * params.in_features * 2 <= X_STAGE_BYTES
-
-
-def row_mma_warps(n: int, warps: int, chunks: int) -> int:
-    """Consumer warps per row group of a row-MMA gemv's round of n groups (module docstring): warp w < n * this takes
-    group w % n's chunks c with c % this == w // n; the rest of the warps wait at the round's barrier."""
-    return min(warps // n, chunks)
 
 
 def gemv_row_mma(params: Any) -> bool:
