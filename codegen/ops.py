@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from k3mk.ir.streaming import X_STAGE_BYTES, FillPlan, StreamingError, fill_plan, gemv_row_mma
+from k3mk.ir.streaming import X_STAGE_BYTES, FillPlan, StreamingError, fill_plan, gemv_row_mma_split
 from k3mk.ir.task_table import (
     MAX_ATTN_RES_SOURCES,
     OP_KINDS,
@@ -277,7 +277,7 @@ def _gemv_op_smem(p: GemvParams, limit: int = X_SMEM_BUDGET) -> int:
     """The register path's smem: the staged input (and the rstd table), then a row-MMA gemv's partial sums."""
     if not gemv_x_in_smem(p, limit):
         return 0  # x read from the arena (no rmsnorm, no gated_rmsnorm: _check_gemv)
-    if gemv_row_mma(p) and p.epilogue not in ("silu_mul", "situ_mul"):  # a one-group task's split (FillPlan.split_warps)
+    if gemv_row_mma_split(p):
         return gemv_partials_offset(p) + PARTIAL_WARPS * 32 * 16 * -(-p.batch // 8)
     return _gemv_staged_bytes(p)
 

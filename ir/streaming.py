@@ -59,17 +59,21 @@ ACCUMULATOR_BUDGET = 16  # rows x batch x gated streams of a fill (bf16: 2 fp32 
 # up), the requests B's columns (8 per MMA): every weight vector a lane loads serves 8 requests, and one x
 # vector 16 rows (the diagonal form's 2-row fills at batch 8 read x 4x as often as the weights). A lane loads the
 # span's 16-byte vector t = lane % 4 of rows lane // 4 and lane // 4 + 8 (bf16_dot.py.j2).
-# A group is one consumer warp's, except in a non-gated task of one group, whose chunks go over min(warps, chunks) warps
-# (`FillPlan.split_warps`), their partial C fragments summed in shared memory in warp order after a consumer barrier (gemv.py.j2):
-# a one-group task (a router, a narrow projection) left 7 of 8 warps idle, and its bodies took 17-22% less time split.
-# Splitting every task's groups over the warps (rounds of n groups, 8 // n warps each, one barrier per round) was slower:
-# a task of 2+ groups gets its fills no faster than one warp per group takes them, and the barrier and shared-memory
-# epilogue cost more than the faster sums saved (BENCHMARKS.md, 2026-12-04 evening). Only from ROW_MMA_MIN_BATCH
-# requests and where the input is staged in shared memory in every kernel (`gemv_stages_x`); elsewhere the batched
-# gemv keeps the diagonal form's CHUNKED_ROWS fills. Measured with one warp per group: reading x from the arena, a
-# row MMA waits on L2 for every span (bench_chain4_b4 780 vs 344 us, bench_gemv_b8 152 vs 124 us); at batch 2 the
-# grid was 3-7% slower.
+# A group is one consumer warp's, except in a non-gated task of one group (up to ROW_MMA_SPLIT_MAX_BATCH requests),
+# whose chunks go over min(warps, chunks) warps (`FillPlan.split_warps`), their partial C fragments summed in shared
+# memory in warp order after a consumer barrier (gemv.py.j2): a one-group task (a router, a narrow projection) left 7
+# of 8 warps idle, and its bodies took 17-22% less time split. Splitting every task's groups over the warps (rounds of
+# n groups, 8 // n warps each, one barrier per round) was slower: a task of 2+ groups gets its fills no faster than one
+# warp per group takes them, and the barrier and shared-memory epilogue cost more than the faster sums saved
+# (BENCHMARKS.md, 2026-12-04 evening). Only from ROW_MMA_MIN_BATCH requests and where the input is staged in shared
+# memory in every kernel (`gemv_stages_x`); elsewhere the batched gemv keeps the diagonal form's CHUNKED_ROWS fills.
+# Measured with one warp per group: reading x from the arena, a row MMA waits on L2 for every span (bench_chain4_b4
+# 780 vs 344 us, bench_gemv_b8 152 vs 124 us); at batch 2 the grid was 3-7% slower.
 ROW_MMA_ROWS = 16
+# The split's second epilogue costs registers: the batch-8 K3 proxy kernels, at the 168-register cap, spilled more
+# (bf16 proxy 0 -> 48 B) and ran 0.8-3.6% slower with it, the batch-4 kernels 0.7-1.9% faster (BENCHMARKS.md,
+# 2026-12-04 evening)
+ROW_MMA_SPLIT_MAX_BATCH = 4
 ROW_MMA_MIN_BATCH = 4
 ROW_MMA_SPAN = 4 * 8
 CHUNKED_ROWS = 4  # rows of a batched gemv's chunked fill in the diagonal form: its copies per stream (fill_plan)
@@ -162,6 +166,7 @@ class FillPlan:
     top_k: int = 1
     num_experts: int = 0  # the routed experts'
     row_mma: bool = False  # a batched gemv whose rows are the MMAs' A rows, the requests their columns (ROW_MMA_ROWS)
+    split: bool = False  # a row-MMA gemv whose one-group tasks spread their chunks over the warps (gemv_row_mma_split)
 
     def chunk_elements(self, c: int) -> int:
         return min(self.chunk, self.in_features - c * self.chunk)
@@ -234,8 +239,8 @@ class FillPlan:
 
     def split_warps(self, warps: int) -> int:
         """Consumer warps over which a row-MMA gemv's task of ONE group spreads its chunks (module docstring): warp w
-        takes chunks w, w + this, ...; gated variants keep one warp per group (a second copy of their epilogue spilled)."""
-        return min(warps, self.chunks) if self.row_mma and len(self.streams) == 1 else 1
+        takes chunks w, w + this, ...; 1 (one warp per group) where `gemv_row_mma_split` says no."""
+        return min(warps, self.chunks) if self.split else 1
 
     def owners(self, row_count: int, warps: int) -> list[int]:
         """The consumer warp of each fill of a task, in issue order (module docstring; a grouped task's: with every
@@ -311,6 +316,12 @@ def gemv_row_mma(params: Any) -> bool:
     return params.batch >= ROW_MMA_MIN_BATCH and gemv_stages_x(params)
 
 
+def gemv_row_mma_split(params: Any) -> bool:
+    """Whether a row-MMA gemv's task of one group may spread its chunks over the warps (FillPlan.split_warps): not
+    gated (a second copy of the gated epilogues spilled) and up to ROW_MMA_SPLIT_MAX_BATCH requests."""
+    return gemv_row_mma(params) and params.epilogue not in ("silu_mul", "situ_mul") and params.batch <= ROW_MMA_SPLIT_MAX_BATCH
+
+
 def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | None:
     """The fill geometry of a variant, or None when the op does not stream its weights (it reads global
     memory in its body: every op but the weight GEMVs and the routed experts)."""
@@ -361,7 +372,8 @@ def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | 
             more_chunk, more_chunks = _chunking(k, row_bytes / k * more, slot_bytes - slack, lane_order, f"{op} ({more} rows)")
             if more * more_chunk >= rows * chunk:
                 rows, chunk, chunks = more, more_chunk, more_chunks
-    plan = FillPlan(op, k, params.out_features, rows, chunk, chunks, streams, batch, top_k, getattr(params, "num_experts", 0), row_mma)
+    plan = FillPlan(op, k, params.out_features, rows, chunk, chunks, streams, batch, top_k, getattr(params, "num_experts", 0), row_mma,
+                    row_mma and gemv_row_mma_split(params))
     for st in streams:
         for c in range(chunks):
             if not st.window and (st.bytes(plan.chunk_elements(c)) % VECTOR_BYTES or st.bytes(k) % VECTOR_BYTES):

@@ -165,14 +165,16 @@ def test_batched_gemvs_stream_16_mma_rows_of_a_chunk():
     assert geometry(GemvParams(264, 100, 16)) == (16, 264, 1, 576)  # one chunk: the row, padded to 64 mod 128
     assert geometry(GemvParams(1032, 257, 4)) == (16, 352, 3, 704)
     assert geometry(GemvParams(7168, 2048, 8, rmsnorm=True, epilogue="situ_mul")) == (8, 480, 15, 960)  # staged: normed
-    # a task of one group spreads its chunks over the warps (partial sums meet in smem: gemv.py.j2); of more, a group
-    # is one warp's, the fills chunk-major within a round of groups
-    rm = fill_plan("gemv", GemvParams(2304, 4096, 8), 16 * 1024)
-    assert rm.task_fills(40) == 3 * 5 and rm.owners(40, 8) == [0, 1, 2] * 5
+    # a non-gated task of one group spreads its chunks over the warps up to batch 4 (partial sums meet in smem:
+    # gemv.py.j2); of more groups, a group is one warp's, the fills chunk-major within a round of groups
+    rm = fill_plan("gemv", GemvParams(2304, 4096, 4), 16 * 1024)
+    assert rm.split and rm.task_fills(40) == 3 * 5 and rm.owners(40, 8) == [0, 1, 2] * 5
     assert rm.owners(16, 8) == [0, 1, 2, 3, 4]  # no more warps than chunks
     assert rm.owners(16 * 10, 8) == list(range(8)) * 5 + [0, 1] * 5  # rounds of 8 and 2 groups
-    gated = fill_plan("gemv", GemvParams(7168, 2048, 8, rmsnorm=True, epilogue="situ_mul"), 16 * 1024)
-    assert gated.split_warps(8) == 1 and gated.owners(8, 8) == [0] * 15  # gated: one warp per group
+    b8 = fill_plan("gemv", GemvParams(2304, 4096, 8), 16 * 1024)
+    assert b8.row_mma and not b8.split and b8.owners(16, 8) == [0] * 5  # ROW_MMA_SPLIT_MAX_BATCH
+    gated = fill_plan("gemv", GemvParams(7168, 2048, 4, rmsnorm=True, epilogue="situ_mul"), 16 * 1024)
+    assert not gated.split and gated.owners(8, 8) == [0] * 15  # gated: one warp per group
     assert fill_plan("gemv", GemvParams(7168, 16384, 4), 16 * 1024).owners(16, 8) == [c % 8 for c in range(15)]
     # x read from the arena (over X_STAGE_BYTES, no prologue): the diagonal form's chunked rows
     assert geometry(GemvParams(9216, 2304, 4)) == (4, 2048, 5, None)
