@@ -29,7 +29,9 @@ different SMs compare) at three points of every task, the producer warp's lane 0
   first acquire returned) and when it released its last fill (`last_release`); 0 where not taken. Per op
   variant the summary splits such bodies into prologue (wait_done -> staged), first-fill wait (staged, or
   wait_done, -> first_fill: the ring was behind the consumers) and tail (last_release -> body_end: warp 0's
-  last epilogue, the other warps' last fills and epilogues, the consumer barrier).
+  last epilogue, the other warps' last fills and epilogues, the consumer barrier). The tail starts at WARP 0's last
+  release, so body - prologue - tail is not the time the fills took: give warp 0 fewer fills and the tail grows
+  while the body may not move (2026-12-04 evening, BENCHMARKS.md); compare bodies, or staged -> body_end.
 Step wall = last body_end - first start: the launch, the CTAs' set-up and the last CTA's exit are outside
 it. %globaltimer advances in steps (about 32 ns on H100 / H200 by reports): an interval shorter than a
 step reads as 0 or one step, so per-task values of a few steps are noise, sums over many tasks are not.
