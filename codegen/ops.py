@@ -139,13 +139,15 @@ class RingLayout:
     body's staging, shared), the ring of `slots` slots, the `records` forwarded task records, then one
     mbarrier per slot full / slot empty / record full / record empty / record ready / record done, an int32 per
     slot (its current fill), an int32 per record (the waiter's status),
-    the producer's two int64 profile counters, the consumers' three int64 profile stamps and the debug watchdog's
-    three int64 (ring.py.j2 SLOT_SEQ, RECORD_STATUS, PRODUCER_STATS, CONSUMER_STATS, WATCHDOG). Offsets in bytes."""
+    the producer's two int64 profile counters, the consumers' three int64 profile stamps, the debug watchdog's
+    three int64 and, in profile builds, warp 0's fill wait (ring.py.j2 SLOT_SEQ, RECORD_STATUS, PRODUCER_STATS,
+    CONSUMER_STATS, WATCHDOG, FILL_WAIT). Offsets in bytes."""
 
     op_bytes: int
     slot_bytes: int
     slots: int
     records: int
+    profile: bool = False
 
     @property
     def ring_offset(self) -> int:
@@ -161,7 +163,8 @@ class RingLayout:
 
     @property
     def total(self) -> int:
-        end = self.barrier_offset + (2 * self.slots + 4 * self.records) * MBARRIER_BYTES + (4 * self.slots + 4 * self.records + 7) // 8 * 8 + 16 + 24 + 24
+        stats = 16 + 24 + 24 + (8 if self.profile else 0)
+        end = self.barrier_offset + (2 * self.slots + 4 * self.records) * MBARRIER_BYTES + (4 * self.slots + 4 * self.records + 7) // 8 * 8 + stats
         return (end + 127) // 128 * 128
 
 
@@ -174,10 +177,10 @@ def ring_layout(variants: list[OpVariant], config: KernelConfig = KernelConfig()
     op_bytes = max([_op_smem(v, x_limit) for v in variants] + [16])
     streaming = any(fill_plan(v.op, v.params, config.slot_bytes) is not None for v in variants)
     slots = (config.ring_bytes or OP_SMEM_LIMIT) // config.slot_bytes if streaming else MIN_RING_SLOTS
-    while slots > 0 and RingLayout(op_bytes, config.slot_bytes, slots, config.records).total > OP_SMEM_LIMIT:
+    while slots > 0 and RingLayout(op_bytes, config.slot_bytes, slots, config.records, config.profile).total > OP_SMEM_LIMIT:
         slots -= 1
     _require(slots >= MIN_RING_SLOTS, f"the op smem ({op_bytes} B) leaves {slots} ring slots of {config.slot_bytes} B (< {MIN_RING_SLOTS})")
-    return RingLayout(op_bytes, config.slot_bytes, slots, config.records)
+    return RingLayout(op_bytes, config.slot_bytes, slots, config.records, config.profile)
 
 
 @dataclass(frozen=True)

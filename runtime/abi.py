@@ -65,10 +65,11 @@ MXFP4_SCALE_SUFFIX = ".weight_scale"  # the canonical names of MXFP4 scale tenso
 # bulk copies brought (what the producer actually issued, not the cost model's count). Inside a streaming op's
 # body thread 0 (consumer warp 0, lane 0) also writes: when the op's input was staged (its prologue done: gemv
 # and expert_gated), when its first ring fill was there (its first acquire returned), and when it released its
-# last fill; 0 where not taken.
-PROFILE_WORDS = 12
+# last fill; 0 where not taken; and the ns its warp (consumer warp 0) waited for its fills to land (all its
+# acquires: fills that came late, not consumers that were slow).
+PROFILE_WORDS = 13
 PROFILE_FIELDS = ("start", "wait_done", "body_end", "smid", "epoch", "produce_start", "produce_end", "ring_wait", "issued_bytes",
-                  "staged", "first_fill", "last_release")  # fmt: skip
+                  "staged", "first_fill", "last_release", "fill_wait")  # fmt: skip
 PROFILE_RING_STEPS = 4
 # A profile build's manifest says this instead of ABI_VERSION, so that a runtime which does not know the
 # longer `debug` buffer refuses the artifact instead of letting the kernel write past its allocation.

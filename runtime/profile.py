@@ -31,7 +31,10 @@ different SMs compare) at three points of every task, the producer warp's lane 0
   wait_done, -> first_fill: the ring was behind the consumers) and tail (last_release -> body_end: warp 0's
   last epilogue, the other warps' last fills and epilogues, the consumer barrier). The tail starts at WARP 0's last
   release, so body - prologue - tail is not the time the fills took: give warp 0 fewer fills and the tail grows
-  while the body may not move (2026-12-04 evening, BENCHMARKS.md); compare bodies, or staged -> body_end.
+  while the body may not move (2026-12-04 evening, BENCHMARKS.md); compare bodies, or staged -> body_end. Thread 0
+  also sums the ns warp 0 waited in its acquires for fills to land (`fill_wait`, every fill it took, the first
+  included): near the body's time between its first acquire and last release, the fills came late (HBM, the
+  producer); near 0, warp 0 found them landed (its own work, or the barrier, bound it).
 Step wall = last body_end - first start: the launch, the CTAs' set-up and the last CTA's exit are outside
 it. %globaltimer advances in steps (about 32 ns on H100 / H200 by reports): an interval shorter than a
 step reads as 0 or one step, so per-task values of a few steps are noise, sums over many tasks are not.
@@ -61,7 +64,7 @@ TASK_BYTES_FILE = "task_bytes.json"  # artifact file: {"weight_bytes": [...], "o
 INTERVALS = ("wait", "body")  # a task's consecutive consumer intervals, in order
 _STAMPS = ("start", "wait_done", "body_end")  # their bounds
 INSIDE_STAMPS = ("staged", "first_fill", "last_release")  # inside a streaming body, in order (0 = not taken)
-INSIDE = ("prologue", "first_fill", "tail")  # the body's parts they bound (TaskTimes.inside)
+INSIDE = ("prologue", "first_fill", "tail", "fill_wait")  # the body's parts they bound, and warp 0's fill wait (TaskTimes.inside)
 PRODUCER_TRACK = 1 << 16  # Chrome trace: CTA c's producer is thread PRODUCER_TRACK + c
 TIMER_NOTE = "%globaltimer ns, one clock for the GPU; it advances in steps (~32 ns reported on H100/H200): per-task intervals of a few steps are not resolved"
 
@@ -81,6 +84,7 @@ class TaskTimes:
     staged: int = 0  # inside a streaming body (module docstring); 0 = not taken
     first_fill: int = 0
     last_release: int = 0
+    fill_wait: int = 0  # ns consumer warp 0 waited for its fills to land (module docstring)
 
     def interval(self, name: str) -> int:
         i = INTERVALS.index(name)
@@ -105,6 +109,8 @@ class TaskTimes:
             parts["first_fill"] = self.first_fill - (self.staged or self.wait_done)
         if self.last_release:
             parts["tail"] = self.body_end - self.last_release
+        if self.first_fill:
+            parts["fill_wait"] = self.fill_wait
         return parts
 
 
@@ -141,7 +147,7 @@ class Timeline:
             if r[field["epoch"]] != step:
                 raise ValueError(f"task {h.index} (CTA {h.cta} #{h.position}) has a record of step {r[field['epoch']]}, not {step}")
         times = [TaskTimes(*(int(r[field[name]]) for name in (*_STAMPS, "smid", "produce_start", "produce_end", "ring_wait",
-                                                               "issued_bytes", *INSIDE_STAMPS))) for r in records]  # fmt: skip
+                                                               "issued_bytes", *INSIDE_STAMPS, "fill_wait"))) for r in records]  # fmt: skip
         variants = table.meta["variants"]
         ops = [variants[h.opcode]["op"] for h in headers]
         labels = [table.label(h.cta, h.position) for h in headers]
@@ -372,7 +378,7 @@ def _group_table(title: str, groups) -> list[str]:
     """Lines of summarize()'s per-group figures (by_op or by_variant items), a blank line first."""
     lines = ["", f"{title:20s} {'tasks':>6s} {'wait us':>10s} {'wait mean':>10s} {'body us':>10s} {'body mean':>10s} "
                  f"{'ring wait us':>12s} {'issued MB':>9s} {'model MB':>9s} {'body GB/s':>9s}  in a body (mean us): "
-                 "prologue / first fill / tail"]  # fmt: skip
+                 "prologue / first fill / tail / warp 0's fill wait"]  # fmt: skip
     for name, o in groups:
         model = "-" if o["weight_bytes"] is None else f"{(o['weight_bytes'] + o['other_bytes']) / 1e6:.2f}"
         gbps = "-" if o["body_GBps"] is None else f"{o['body_GBps']:.1f}"

@@ -30,9 +30,9 @@ def test_profiling_only_inserts_lines(case, debug):
     ops = difflib.SequenceMatcher(a=release, b=profile, autojunk=False).get_opcodes()
     assert {tag for tag, *_ in ops} == {"equal", "insert"}, [op for op in ops if op[0] not in ("equal", "insert")]
     added = [line for tag, _, _, j1, j2 in ops if tag == "insert" for line in profile[j1:j2]]
-    # consumers: start, wait_done, body_end, and inside a streaming body staged, first fill, last release (ring.py.j2);
-    # the producer: produce_start, produce_end, and around its ring waits
-    assert sum("cute.arch.globaltimer()" in line for line in added) == 10
+    # consumers: start, wait_done, body_end, and inside a streaming body staged, first fill, last release and around
+    # each acquire (warp 0's fill wait) (ring.py.j2); the producer: produce_start, produce_end, and around its ring waits
+    assert sum("cute.arch.globaltimer()" in line for line in added) == 12
     release_text = "\n".join(release)
     assert "PROFILE" not in release_text and "record[P_" not in release_text
     if not debug:

@@ -26,16 +26,18 @@ STEP = 5
 #   B nop  waits e1              | D nop  waits e0 (already signalled when D starts)
 # Consumer stamps (ns): start, wait_done, body_end, smid; the producer's: produce_start, produce_end,
 # ring_wait (ns), issued_bytes; then, where taken inside a streaming body, staged, first_fill, last_release (else 0)
+# and warp 0's ns waiting for its fills (fill_wait)
 STAMPS = {
     0: (1000, 1064, 2100, 7, 900, 950, 0, 4096),
     1: (2200, 4000, 4100, 7, 950, 960, 0, 0),
-    # its producer waited 600 ns for free ring slots; in its body: prologue 100, first fill 200 later, tail 200
-    2: (1100, 2600, 3600, 9, 800, 1500, 600, 2048, 2700, 2900, 3400),
+    # its producer waited 600 ns for free ring slots; in its body: prologue 100, first fill 200 later, tail 200; warp 0
+    # waited 350 ns in all for its fills
+    2: (1100, 2600, 3600, 9, 800, 1500, 600, 2048, 2700, 2900, 3400, 350),
     3: (3700, 3800, 3900, 9, 1500, 1510, 0, 0),
 }
 TASK_BYTES = {"weight_bytes": [4096, 0, 2048, 0], "other_bytes": [100, 10, 200, 20]}
 FIELDS = ("start", "wait_done", "body_end", "smid", "produce_start", "produce_end", "ring_wait", "issued_bytes", "staged", "first_fill",
-          "last_release")  # fmt: skip
+          "last_release", "fill_wait")  # fmt: skip
 
 
 def loaded_table() -> table.LoadedTable:
@@ -114,17 +116,20 @@ def test_summary(tl):
         ("a_done", 500, "A", "C"), ("c_done", 400, "C", "B")]  # fmt: skip
     c = s["critical_path"]  # A -> C (C waited for e0) -> B (B waited for e1): 64 + 1036 + 500 + 1000 + 400 + 100 ns
     assert (c["tasks"], c["span_ns"], c["handoff_ns"]) == (3, 3100, 64 + 500 + 400)
-    assert c["by_op"] == {"add": {"count": 2, "body_ns": 2036, "handoff_ns": 564, "prologue_ns": 100, "first_fill_ns": 200, "tail_ns": 200},
-                          "nop": {"count": 1, "body_ns": 100, "handoff_ns": 400, "prologue_ns": 0, "first_fill_ns": 0, "tail_ns": 0}}  # fmt: skip
+    assert c["by_op"] == {"add": {"count": 2, "body_ns": 2036, "handoff_ns": 564, "prologue_ns": 100, "first_fill_ns": 200, "tail_ns": 200,
+                                  "fill_wait_ns": 350},
+                          "nop": {"count": 1, "body_ns": 100, "handoff_ns": 400, "prologue_ns": 0, "first_fill_ns": 0, "tail_ns": 0,
+                                  "fill_wait_ns": 0}}  # fmt: skip
     # C's body parts: staged 2700 - wait_done 2600, first fill 2900 - 2700, body_end 3600 - last release 3400; A took none
     assert (add["prologue_tasks"], add["prologue_mean_ns"], add["first_fill_mean_ns"], add["tail_mean_ns"]) == (1, 100, 200, 200)
+    assert (add["fill_wait_tasks"], add["fill_wait_mean_ns"], nop["fill_wait_mean_ns"]) == (1, 350, None)
     assert (nop["prologue_tasks"], nop["prologue_mean_ns"], nop["tail_mean_ns"]) == (0, None, None)
     text = format_summary(s)
     assert "critical path (3 tasks, 3.10 us)" in text and "add                   2 tasks  body       2.04 us" in text
     assert "op #variant" in text and "\nadd #0                    2" in text and "\nnop #1                    2" in text
     assert "wall 3.10 us" in text and "median 0.40 us, p90 0.50 us" in text
     assert "0.50 us  a_done: CTA 0 A -> CTA 1 C" in text
-    assert "0.10 / 0.20 / 0.20" in text and "(in the bodies: prologue 0.10, first_fill 0.20, tail 0.20 us)" in text
+    assert "0.10 / 0.20 / 0.20 / 0.35" in text and "(in the bodies: prologue 0.10, first_fill 0.20, tail 0.20, fill_wait 0.35 us)" in text
     assert "blocked on a full ring 9.7%" in text and "wait 55.9%" in text
 
 
