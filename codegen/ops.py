@@ -361,8 +361,10 @@ def variant_code(index: int, variant: OpVariant, config: KernelConfig, x_limit: 
         plan = fill_plan(variant.op, variant.params, config.slot_bytes)
     except StreamingError as e:
         raise CodegenError(str(e)) from None
-    if plan is not None and plan.row_mma and (not tuning.x_smem or config.warps > PARTIAL_WARPS):  # _gemv_op_smem's sizes
-        raise CodegenError(f"gemv {variant.params}: a row-MMA plan needs its input staged and at most {PARTIAL_WARPS} consumer warps")
+    if plan is not None and plan.row_mma and not tuning.x_smem:  # ir/streaming.py gemv_stages_x promised it
+        raise CodegenError(f"gemv {variant.params}: a row-MMA fill plan but its input is not staged")
+    if plan is not None and plan.split and config.warps > PARTIAL_WARPS:  # _gemv_op_smem sized the partials for PARTIAL_WARPS
+        raise CodegenError(f"gemv {variant.params}: a split row-MMA plan needs at most {PARTIAL_WARPS} consumer warps, not {config.warps}")
     return VariantCode(index, variant.op, variant.params, f"op{index}_{variant.op}", gen.produce or plan is not None, tuning, plan, gen.sync)
 
 

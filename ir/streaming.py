@@ -316,10 +316,15 @@ def gemv_row_mma(params: Any) -> bool:
     return params.batch >= ROW_MMA_MIN_BATCH and gemv_stages_x(params)
 
 
+def gemv_gated(params: Any) -> bool:
+    """A gated gemv (fused.gated_linear): weight (gate) and weight_up, streamed together."""
+    return params.epilogue in ("silu_mul", "situ_mul")
+
+
 def gemv_row_mma_split(params: Any) -> bool:
     """Whether a row-MMA gemv's task of one group may spread its chunks over the warps (FillPlan.split_warps): not
     gated (a second copy of the gated epilogues spilled) and up to ROW_MMA_SPLIT_MAX_BATCH requests."""
-    return gemv_row_mma(params) and params.epilogue not in ("silu_mul", "situ_mul") and params.batch <= ROW_MMA_SPLIT_MAX_BATCH
+    return gemv_row_mma(params) and not gemv_gated(params) and params.batch <= ROW_MMA_SPLIT_MAX_BATCH
 
 
 def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | None:
@@ -329,7 +334,7 @@ def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | 
         return None
     k, batch = params.in_features, params.batch
     if op == "gemv":
-        gated = params.epilogue in ("silu_mul", "situ_mul")
+        gated = gemv_gated(params)
         streams = (_bf16("weight"), _bf16("weight_up")) if gated else (_bf16("weight"),)
         accumulators_per_row = batch * len(streams)
         lane_order, top_k = LANE_ORDER_ELEMENTS, 1
