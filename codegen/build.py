@@ -36,7 +36,7 @@ from k3mk import __version__ as K3MK_VERSION
 from k3mk.codegen import artifact_dir
 from k3mk.codegen.artifact_dir import cutlass_dsl_version
 from k3mk.codegen.emit import dynamic_smem_bytes, emit_source
-from k3mk.codegen.ops import KernelConfig, ring_layout
+from k3mk.codegen.ops import KernelConfig, kernel_batch, ring_layout
 from k3mk.ir import task_table as tt
 from k3mk.ir.task_table import RingModel, TaskTable
 from k3mk.runtime import abi, schema
@@ -136,6 +136,7 @@ def build(
     sm_count = sm_count or ARCHS[arch].sm_count
     if len(table.lists) > sm_count:
         raise BuildError(f"{len(table.lists)} task lists but the target has {sm_count} SMs (one CTA per SM)")
+    config = config.for_batch(kernel_batch(table.variants))
     encoded = table.encode(check=check)
     ring = ring_layout(table.variants, config)
     if check:  # the streaming loop's producers and rings as this kernel builds them
@@ -215,7 +216,9 @@ def _manifest(table: TaskTable, encoded: bytes, arch: str, sm_count: int, config
         "variants": [v.to_json() for v in table.variants],
         "files": files,
         "compile": {k: info.get(k) for k in ("compile_seconds", "import_seconds", "wall_seconds", "cache_hit",
-                                              "registers", "stack_bytes", "spill_store_bytes", "spill_load_bytes")},
+                                              "registers", "stack_bytes", "spill_store_bytes", "spill_load_bytes")}
+        # per thread after setmaxnreg (ptxas's "registers" is the launch's share)
+        | {"consumer_registers": config.consumer_registers, "support_registers": config.support_registers},
     }  # fmt: skip
     for key, value in meta.items():
         if key in manifest:

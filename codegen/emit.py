@@ -17,7 +17,10 @@ from k3mk.codegen.ops import (
     KernelConfig,
     VariantCode,
     gemv_partials_offset,
+    gemv_select_offset,
+    kernel_batch,
     ring_layout,
+    router_select_spread,
     smem_bytes,
     variant_code,
     x_staging_limit,
@@ -49,6 +52,7 @@ _ENV.globals.update(COMBINE_BATCH_ROWS=COMBINE_BATCH_ROWS)  # expert_combine's b
 _ENV.globals.update(COMBINE_RESIDUAL_OPERANDS=tt.COMBINE_RESIDUAL_OPERANDS)  # expert_combine's residuals, in add order
 _ENV.globals.update(BLOCK_SUMS=BLOCK_SUMS, group_size=group_size)
 _ENV.globals.update(gemv_partials_offset=gemv_partials_offset, PARTIAL_WARPS=PARTIAL_WARPS)  # a row-MMA gemv's partial sums
+_ENV.globals.update(router_select_spread=router_select_spread, gemv_select_offset=gemv_select_offset)  # a batch-1 router's top-k
 
 
 def dynamic_smem_bytes(variants: list[OpVariant], config: KernelConfig = KernelConfig()) -> int:
@@ -59,8 +63,7 @@ def dynamic_smem_bytes(variants: list[OpVariant], config: KernelConfig = KernelC
 def emit_source(variants: list[OpVariant], config: KernelConfig = KernelConfig()) -> str:
     if not variants:
         raise ValueError("a kernel needs at least one op variant")
-    if config.threads % 32 or not 64 <= config.threads <= 1024:
-        raise ValueError(f"threads {config.threads} must be a multiple of 32 in [64, 1024]")
+    config = config.for_batch(kernel_batch(variants))
     x_limit = x_staging_limit(variants)
     codes: list[VariantCode] = [variant_code(i, v, config, x_limit) for i, v in enumerate(variants)]
     ring = ring_layout(variants, config)

@@ -19,7 +19,7 @@ task loop's `wait_event`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from k3mk.ir.streaming import X_STAGE_BYTES, FillPlan, StreamingError, fill_plan, gemv_row_mma_split
@@ -42,8 +42,17 @@ from k3mk.ir.task_table import (
 VECTOR_ELEMENTS = 8  # bf16 per 16-byte load
 MAX_BATCH = 16
 X_SMEM_BUDGET = 160 * 1024  # GEMV stages its (normalised) input in shared memory
-PRODUCER_THREADS = 32  # one producer warp beside the consumers (it also forwards the task records)
-HANDOFF_THREADS = 64  # the waiter and the signaller warps (megakernel.py.j2: events waited and released off the consumers)
+# Beside the consumers: the producer warp (it also forwards the task records), the waiter and the signaller warps
+# (megakernel.py.j2: events waited and released off the consumers). Where the consumers take more registers than the
+# launch's even share (KernelConfig.moves_registers), a spare warp makes them one support warpgroup: `setmaxnreg`
+# moves registers per warpgroup, this one dropping to KernelConfig.support_registers and the consumer warpgroups
+# taking the rest (KernelConfig.consumer_registers).
+SUPPORT_WARPS = 3
+WARPGROUP = 4  # warps
+WIDE_BATCH = 8  # KernelConfig.for_batch: from this many requests, registers move to the consumers
+WIDE_SUPPORT_REGISTERS = 120
+SELECT_WARPS = 8  # the consumer warps a batch-1 router's top-k spreads over (KernelConfig().warps; variant_code checks)
+REGISTER_FILE = 65536  # 32-bit registers per SM (sm_90, sm_100)
 
 
 class CodegenError(ValueError):
@@ -63,12 +72,41 @@ class KernelConfig:
     slot_bytes: int = 16 * 1024
     ring_bytes: int = 0
     records: int = 16
-    # spans (a 16-byte vector per lane) per loop trip of the bf16 dot loops (0: the default, `dot_unroll`)
+    # spans (a 16-byte vector per lane) per loop trip of the bf16 dot loops (0: by batch, `for_batch`, then `dot_unroll`)
     gemv_unroll: int = 0
     # 128-code spans per loop trip of the MXFP4 experts' MMA loops (0: the default, 2: a span is 4 MMAs, and the loop
     # is latency bound with 8 consumer warps, 2 per scheduler; measured 2026-12-02 on the K3-size gated expert GEMV:
     # 1 / 2 / 4 spans gave 2.34 / 2.55 / 2.54 TB/s, BENCHMARKS.md)
     mxfp4_unroll: int = 0
+    # registers per thread of the support warpgroup after `setmaxnreg` (a multiple of 8 from 24; 0: by the kernel's
+    # batch, `for_batch`): the producer's expert tables want ~150 to run without spills, the consumers' bodies ~200
+    support_registers: int = 0
+
+    def __post_init__(self):
+        if self.threads % 128 or not 128 <= self.threads <= 1024 - 32 * WARPGROUP:
+            raise CodegenError(
+                f"KernelConfig.threads: expected a multiple of 128 (whole warpgroups: setmaxnreg) in [128, {1024 - 32 * WARPGROUP}], "
+                f"found {self.threads}"
+            )
+        if self.support_registers and (self.support_registers % 8 or not 24 <= self.support_registers <= self.launch_registers):
+            raise CodegenError(
+                f"KernelConfig.support_registers: expected 0 (by batch) or a multiple of 8 in [24, {self.launch_registers}], "
+                f"found {self.support_registers}"
+            )
+
+    def for_batch(self, batch: int) -> KernelConfig:
+        """The knobs left at 0 set for a kernel whose largest op batch is `batch` (measured on the H200, 2026-12-04
+        night, BENCHMARKS.md): from WIDE_BATCH requests the consumers take the registers the support warpgroup gives
+        back (120 / 192) and every bf16 dot loop takes 2 spans a trip: Kimi Linear b8 -4.7%, the bf16 proxy b8 -1.7%,
+        the K3 proxy b8 -1.4%. Below, the kernel is as before: at batch 1 and 4 the same changes measured 0.4-1.3%
+        slower (consumers at 192 or the block at 384 threads), so it keeps the launch's even share and the few-chains
+        unroll (`dot_unroll`)."""
+        wide = batch >= WIDE_BATCH
+        return replace(
+            self,
+            support_registers=self.support_registers or (WIDE_SUPPORT_REGISTERS if wide else self.launch_registers),
+            gemv_unroll=self.gemv_unroll or (2 if wide else 0),
+        )
 
     @property
     def warps(self) -> int:
@@ -82,11 +120,34 @@ class KernelConfig:
         return self.gemv_unroll or (2 if chains <= 2 else 1)
 
     @property
+    def moves_registers(self) -> bool:
+        """Whether the consumers take registers from a support warpgroup (`for_batch` resolves a 0)."""
+        if not self.support_registers:
+            raise CodegenError("KernelConfig.support_registers is 0 (by batch): resolve it with for_batch first")
+        return self.support_registers < self.launch_registers
+
+    @property
     def block_threads(self) -> int:
-        return self.threads + PRODUCER_THREADS + HANDOFF_THREADS
+        return self.threads + 32 * (WARPGROUP if self.moves_registers else SUPPORT_WARPS)
+
+    @property
+    def launch_registers(self) -> int:
+        """ptxas's per-thread cap for one block per SM: the register file over the block's warps rounded up to
+        whole warpgroups (a scheduler's share), in units of 8 (168 for 8 consumer warps and the 3 or 4 others)."""
+        warps = -(-(self.warps + SUPPORT_WARPS) // WARPGROUP) * WARPGROUP
+        return min(255, REGISTER_FILE // (32 * warps)) // 8 * 8
+
+    @property
+    def consumer_registers(self) -> int:
+        """What each consumer thread holds: after `setmaxnreg`, the block's registers at launch less the support
+        warpgroup's support_registers per thread (at most 256, a multiple of 8); else the launch's share."""
+        if not self.moves_registers:
+            return self.launch_registers
+        free = self.launch_registers * self.block_threads - self.support_registers * WARPGROUP * 32
+        return min(256, free // self.threads // 8 * 8)
 
 
-KERNEL_TUNING = ("slot_bytes", "ring_bytes", "records", "gemv_unroll", "mxfp4_unroll")  # `k3mk compile --kernel-option` knobs
+KERNEL_TUNING = ("slot_bytes", "ring_bytes", "records", "gemv_unroll", "mxfp4_unroll", "support_registers")  # `k3mk compile --kernel-option` knobs
 
 
 @dataclass(frozen=True)
@@ -113,6 +174,11 @@ def gemv_x_in_smem(p: GemvParams, limit: int = X_SMEM_BUDGET) -> bool:
     loop reads x from the arena (L1 / L2): K3's 33792-wide dense down projection at batch >= 3, Kimi
     Linear's 9216-wide one at batch >= 3."""
     return p.batch * p.in_features * 2 <= (X_SMEM_BUDGET if _x_needs_smem(p) else min(limit, X_SMEM_BUDGET))
+
+
+def kernel_batch(variants: list[OpVariant]) -> int:
+    """The largest batch of a kernel's op variants (KernelConfig.for_batch)."""
+    return max((getattr(v.params, "batch", 1) for v in variants), default=1)
 
 
 def x_staging_limit(variants: list[OpVariant]) -> int:
@@ -276,8 +342,30 @@ def gemv_partials_offset(p: GemvParams) -> int:
     return (_gemv_staged_bytes(p) + 15) // 16 * 16
 
 
+def router_select_spread(p: GemvParams) -> bool:
+    """A router gemv's top-k by every consumer warp (topk_select.py.j2 `_select_spread`): at batch 1 and at most one
+    expert per consumer thread (Kimi Linear's 256: its critical path -1.2%). With K3's 896 a lane ranks 4 experts
+    against its warp's 128 (unrolled, cold code) and the step measured 0.3% slower than the one-warp rounds."""
+    return p.epilogue == "router" and p.batch == 1 and p.out_features <= 32 * SELECT_WARPS
+
+
+def gemv_select_offset(p: GemvParams, x_smem: bool) -> int:
+    """Where `_select_spread`'s candidates go: after the staged input (which a later task of the same variant and
+    input may reuse: passes/emit_task_table.py x_staged)."""
+    return gemv_partials_offset(p) if x_smem else 0
+
+
+def _router_select_bytes(p: GemvParams) -> int:
+    """`_select_spread`'s candidates (score, s, index: top_k per 32 experts) and the chosen (s, index)."""
+    candidates = -(-p.out_features // 32) * p.top_k
+    return 4 * (3 * candidates + 2 * p.top_k)
+
+
 def _gemv_op_smem(p: GemvParams, limit: int = X_SMEM_BUDGET) -> int:
-    """The register path's smem: the staged input (and the rstd table), then a row-MMA gemv's partial sums."""
+    """The register path's smem: the staged input (and the rstd table), then a row-MMA gemv's partial sums or a
+    batch-1 router's selection."""
+    if router_select_spread(p):
+        return gemv_select_offset(p, gemv_x_in_smem(p, limit)) + _router_select_bytes(p)
     if not gemv_x_in_smem(p, limit):
         return 0  # x read from the arena (no rmsnorm, no gated_rmsnorm: _check_gemv)
     if gemv_row_mma_split(p):
@@ -363,6 +451,8 @@ def variant_code(index: int, variant: OpVariant, config: KernelConfig, x_limit: 
         raise CodegenError(str(e)) from None
     if plan is not None and plan.row_mma and not tuning.x_smem:  # ir/streaming.py gemv_stages_x promised it
         raise CodegenError(f"gemv {variant.params}: a row-MMA fill plan but its input is not staged")
+    if variant.op == "gemv" and router_select_spread(variant.params) and config.warps != SELECT_WARPS:
+        raise CodegenError(f"gemv {variant.params}: a batch-1 router's top-k is laid out for {SELECT_WARPS} consumer warps, not {config.warps}")
     if plan is not None and plan.split and config.warps > PARTIAL_WARPS:  # _gemv_op_smem sized the partials for PARTIAL_WARPS
         raise CodegenError(f"gemv {variant.params}: a split row-MMA plan needs at most {PARTIAL_WARPS} consumer warps, not {config.warps}")
     return VariantCode(index, variant.op, variant.params, f"op{index}_{variant.op}", gen.produce or plan is not None, tuning, plan, gen.sync)

@@ -59,10 +59,10 @@ ACCUMULATOR_BUDGET = 16  # rows x batch x gated streams of a fill (bf16: 2 fp32 
 # up), the requests B's columns (8 per MMA): every weight vector a lane loads serves 8 requests, and one x
 # vector 16 rows (the diagonal form's 2-row fills at batch 8 read x 4x as often as the weights). A lane loads the
 # span's 16-byte vector t = lane % 4 of rows lane // 4 and lane // 4 + 8 (bf16_dot.py.j2).
-# A group is one consumer warp's, except in a non-gated task of one group (up to ROW_MMA_SPLIT_MAX_BATCH requests),
-# whose chunks go over min(warps, chunks) warps (`FillPlan.split_warps`), their partial C fragments summed in shared
-# memory in warp order after a consumer barrier (gemv.py.j2): a one-group task (a router, a narrow projection) left 7
-# of 8 warps idle, and its bodies took 17-22% less time split. Splitting every task's groups over the warps (rounds of
+# A group is one consumer warp's, except in a non-gated task of one group, whose chunks go over min(warps, chunks)
+# warps (`FillPlan.split_warps`), their partial C fragments summed in shared memory in warp order after a consumer
+# barrier (gemv.py.j2): a one-group task (a router, a narrow projection) left 7 of 8 warps idle, and its bodies took
+# 17-22% less time split (at batch 8 too, once the consumers hold 192 registers: KernelConfig.for_batch). Splitting every task's groups over the warps (rounds of
 # n groups, 8 // n warps each, one barrier per round) was slower: a task of 2+ groups gets its fills no faster than one
 # warp per group takes them, and the barrier and shared-memory epilogue cost more than the faster sums saved
 # (BENCHMARKS.md, 2026-12-04 evening). Only from ROW_MMA_MIN_BATCH requests and where the input is staged in shared
@@ -70,10 +70,6 @@ ACCUMULATOR_BUDGET = 16  # rows x batch x gated streams of a fill (bf16: 2 fp32 
 # Measured with one warp per group: reading x from the arena, a row MMA waits on L2 for every span (bench_chain4_b4
 # 780 vs 344 us, bench_gemv_b8 152 vs 124 us); at batch 2 the grid was 3-7% slower.
 ROW_MMA_ROWS = 16
-# The split's second epilogue costs registers: the batch-8 K3 proxy kernels, at the 168-register cap, spilled more
-# (bf16 proxy 0 -> 48 B) and ran 0.8-3.6% slower with it, the batch-4 kernels 0.7-1.9% faster (BENCHMARKS.md,
-# 2026-12-04 evening)
-ROW_MMA_SPLIT_MAX_BATCH = 4
 ROW_MMA_MIN_BATCH = 4
 ROW_MMA_SPAN = 4 * 8
 CHUNKED_ROWS = 4  # rows of a batched gemv's chunked fill in the diagonal form: its copies per stream (fill_plan)
@@ -323,8 +319,8 @@ def gemv_gated(params: Any) -> bool:
 
 def gemv_row_mma_split(params: Any) -> bool:
     """Whether a row-MMA gemv's task of one group may spread its chunks over the warps (FillPlan.split_warps): not
-    gated (a second copy of the gated epilogues spilled) and up to ROW_MMA_SPLIT_MAX_BATCH requests."""
-    return gemv_row_mma(params) and not gemv_gated(params) and params.batch <= ROW_MMA_SPLIT_MAX_BATCH
+    gated (a second copy of the gated epilogues spilled)."""
+    return gemv_row_mma(params) and not gemv_gated(params)
 
 
 def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | None:

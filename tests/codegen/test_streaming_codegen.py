@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from k3mk.codegen.emit import emit_source
-from k3mk.codegen.ops import MIN_RING_SLOTS, OP_SMEM_LIMIT, CodegenError, KernelConfig, ring_layout
+from k3mk.codegen.ops import MIN_RING_SLOTS, OP_SMEM_LIMIT, CodegenError, KernelConfig, ring_layout, router_select_spread
 from k3mk.ir.streaming import LANE_ORDER_ELEMENTS, MMA_ROWS, MXFP4_CHUNK_ELEMENTS, MXFP4_SPAN, VECTOR_BYTES, StreamingError, chunk_major, fill_plan, mma_code_row
 from k3mk.ir.task_table import ExpertCombineParams, ExpertGatedParams, GemvParams, MlaDecodeParams, NopParams, OpVariant
 
@@ -165,14 +165,14 @@ def test_batched_gemvs_stream_16_mma_rows_of_a_chunk():
     assert geometry(GemvParams(264, 100, 16)) == (16, 264, 1, 576)  # one chunk: the row, padded to 64 mod 128
     assert geometry(GemvParams(1032, 257, 4)) == (16, 352, 3, 704)
     assert geometry(GemvParams(7168, 2048, 8, rmsnorm=True, epilogue="situ_mul")) == (8, 480, 15, 960)  # staged: normed
-    # a non-gated task of one group spreads its chunks over the warps up to batch 4 (partial sums meet in smem:
+    # a non-gated task of one group spreads its chunks over the warps (partial sums meet in smem:
     # gemv.py.j2); of more groups, a group is one warp's, the fills chunk-major within a round of groups
     rm = fill_plan("gemv", GemvParams(2304, 4096, 4), 16 * 1024)
     assert rm.split and rm.task_fills(40) == 3 * 5 and rm.owners(40, 8) == [0, 1, 2] * 5
     assert rm.owners(16, 8) == [0, 1, 2, 3, 4]  # no more warps than chunks
     assert rm.owners(16 * 10, 8) == list(range(8)) * 5 + [0, 1] * 5  # rounds of 8 and 2 groups
     b8 = fill_plan("gemv", GemvParams(2304, 4096, 8), 16 * 1024)
-    assert b8.row_mma and not b8.split and b8.owners(16, 8) == [0] * 5  # ROW_MMA_SPLIT_MAX_BATCH
+    assert b8.row_mma and b8.split and b8.owners(16, 8) == [0, 1, 2, 3, 4]
     gated = fill_plan("gemv", GemvParams(7168, 2048, 4, rmsnorm=True, epilogue="situ_mul"), 16 * 1024)
     assert not gated.split and gated.owners(8, 8) == [0] * 15  # gated: one warp per group
     assert fill_plan("gemv", GemvParams(7168, 16384, 4), 16 * 1024).owners(16, 8) == [c % 8 for c in range(15)]
@@ -360,6 +360,32 @@ def layout_total(ring, slots: int) -> int:
     return type(ring)(ring.op_bytes, ring.slot_bytes, slots, ring.records).total
 
 
+def test_registers_move_to_the_consumers_from_batch_8():
+    """KernelConfig.for_batch: below 8 requests the kernel keeps the launch's even share (no spare warp, no
+    setmaxnreg: the source of before); from 8 the support warpgroup keeps 120 and the consumers take 192."""
+    narrow, wide = KernelConfig().for_batch(4), KernelConfig().for_batch(8)
+    assert (narrow.block_threads, narrow.consumer_registers, narrow.moves_registers, narrow.dot_unroll(4)) == (352, 168, False, 1)
+    assert (wide.block_threads, wide.support_registers, wide.consumer_registers, wide.dot_unroll(4)) == (384, 120, 192, 2)
+    assert KernelConfig(support_registers=72).for_batch(1).consumer_registers == 216  # the knob wins over the batch
+    assert 168 * 384 >= 120 * 128 + 192 * 256  # what setmaxnreg.inc waits for is free
+    narrow_src = emit_source([OpVariant("gemv", GemvParams(512, 256, 4))])
+    wide_src = emit_source([OpVariant("gemv", GemvParams(512, 256, 8))])
+    assert "setmaxregister" not in narrow_src and "BLOCK_THREADS = 352" in narrow_src
+    assert "setmaxregister_decrease(120)" in wide_src and "setmaxregister_increase(192)" in wide_src and "BLOCK_THREADS = 384" in wide_src
+    with pytest.raises(CodegenError, match="multiple of 8"):
+        KernelConfig(support_registers=100)
+    with pytest.raises(CodegenError, match="multiple of 128"):
+        KernelConfig(threads=192)
+
+
+def test_router_top_k_spreads_over_the_warps_at_batch_1_only():
+    router = dict(epilogue="router", out_dtype="float32", top_k=8)
+    assert router_select_spread(GemvParams(2304, 256, 1, **router))  # Kimi Linear
+    assert not router_select_spread(GemvParams(2304, 256, 2, **router))  # one warp per request
+    assert not router_select_spread(GemvParams(7168, 896, 1, **{**router, "top_k": 16}))  # K3: 4 experts a lane
+    assert "_select_spread(" in emit_source([OpVariant("gemv", GemvParams(2304, 256, 1, **router))])
+
+
 def test_case_tables_emit():
     """Every GPU op case's table generates (the producer halves and consumer halves render)."""
     for name, case in all_cases().items():
@@ -378,9 +404,10 @@ def test_streaming_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
           f"{info.get('spill_load_bytes')} B, {info['compile_seconds']} s")  # fmt: skip
     assert info["spill_store_bytes"] == 0
     ptx = (entry / "megakernel.sm_90a.ptx").read_text()
-    for needle in (".reqntid 352, 1, 1", ".minnctapersm 1", "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
+    for needle in (".reqntid 384, 1, 1", ".minnctapersm 1", "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
                    "mbarrier.arrive.expect_tx", "mbarrier.try_wait.parity", "fence.mbarrier_init", "bar.sync 	1, 256",
-                   "red.release.gpu.global.add.u64", "ld.acquire.gpu", "ld.shared.v4"):  # fmt: skip
+                   "red.release.gpu.global.add.u64", "ld.acquire.gpu", "ld.shared.v4",
+                   "setmaxnreg.dec.sync.aligned.u32 	120", "setmaxnreg.inc.sync.aligned.u32 	192"):  # fmt: skip
         assert needle in ptx, needle
     # one fence.acq_rel.gpu per CTA exit, none per task: the release add orders the body's stores
     assert ptx.count("fence.acq_rel.gpu") == 1

@@ -118,17 +118,19 @@ def router_case(name: str, batch: int, dim: int, experts: int, top_k: int, norm:
                       meta={"top_k": top_k})  # fmt: skip
 
 
-def router_ties_case() -> MoeMlaCase:
+def router_ties_case(name: str = "router_ties_b2", batch: int = 2, tiles: int = 0) -> MoeMlaCase:
     """Identical gate rows and biases: within the top-k the lower index comes first (20 before 33), and at
-    the k-th place the lower index wins (5, not 9)."""
-    batch, dim, experts, top_k = 2, 264, 40, 4
-    b = TableBuilder(1)
+    the k-th place the lower index wins (5, not 9). With tiles at batch 1 the selection spreads over the warps
+    (topk_select.py.j2 `_select_spread`): 5 and 9 tie inside a warp's chunk of 32 experts, 20 and 33 across two,
+    and the second chunk's 24 places past the 40 experts are padding."""
+    dim, experts, top_k = 264, 40, 4
+    b = TableBuilder(1 if not tiles else 2)
     x = b.buffer("x", "bfloat16", (batch, dim))
     ids = b.buffer("ids", "int32", (batch, top_k))
     tw = b.buffer("topk_weights", "float32", (batch, top_k))
     gate = b.weight("gate", "bfloat16", (experts, dim))
     bias = b.weight("bias", "float32", (experts,))
-    b.router(x, gate, bias, ids, tw, top_k=top_k)
+    b.router(x, gate, bias, ids, tw, top_k=top_k, **({"cta": 1, "tiles": tiles} if tiles else {}))
 
     def make_gate(gen, device):
         w = _randn(gen, (experts, dim), device, dim**-0.5)
@@ -143,7 +145,7 @@ def router_ties_case() -> MoeMlaCase:
         return v
 
     weights = default_weights(b, overrides={"gate": make_gate, "bias": make_bias})
-    return MoeMlaCase("router_ties_b2", b, "router", weights, lambda gen, w, s: {"x": _randn(gen, (batch, dim), "cpu").to(torch.bfloat16)},
+    return MoeMlaCase(name, b, "router", weights, lambda gen, w, s: {"x": _randn(gen, (batch, dim), "cpu").to(torch.bfloat16)},
                       outputs=["ids", "topk_weights"], exact=("ids",), meta={"top_k": top_k, "ties": True})  # fmt: skip
 
 
@@ -327,10 +329,12 @@ def moe_mla_cases() -> list[MoeMlaCase]:
         router_case("router_b4_norm", 4, 1032, 264, 8, norm=True, renormalize=True, scaling=1.0),
         router_case("router_b1", 1, 520, 133, 6, norm=False, renormalize=False, scaling=2.446),
         router_ties_case(),
+        router_ties_case("router_ties_tiled_b1", 1, tiles=3),
         # the router GEMV's tiles select where it finishes (GemvParams "router"): Kimi Linear's 256 experts over 5 of 8
         # CTAs, K3's 896 at batch 4 over 7 tiles on 4 CTAs (two tiles on a CTA)
         router_case("router_tiled_b1_norm", 1, 2304, 256, 8, norm=True, renormalize=True, scaling=2.446, tiles=5, ctas=8),
         router_case("router_tiled_b4", 4, 1032, 896, 8, norm=False, renormalize=False, scaling=1.0, tiles=7, ctas=4),
+        router_case("router_tiled_b1_k3", 1, 1032, 896, 16, norm=False, renormalize=True, scaling=2.5, tiles=7, ctas=4),
         expert_gated_case("expert_gated_bf16_silu_b4", 4, 520, 264, 7, 3, "bfloat16", "silu", row_tiles=3, ctas=5),
         expert_gated_case("expert_gated_bf16_situ_b1", 1, 264, 136, 5, 2, "bfloat16", "situ", row_tiles=2, ctas=3),
         # batch > 1 streams the step's distinct experts once each (ir/streaming.py routing_units): every request on the
