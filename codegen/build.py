@@ -157,6 +157,7 @@ def write_artifact(out: Path, table: TaskTable, encoded: bytes, arch: str, sm_co
                    kernel: dict, info: dict, meta: dict, extra_files: dict[str, str | bytes]) -> Path:  # fmt: skip
     """Stage the artifact's files and its manifest (validated against k3mk/runtime/schema.py), then
     publish it at `out`. `kernel`: the compiled cubin and ptx (paths) and the source (text)."""
+    config = config.for_batch(kernel_batch(table.variants))  # the knobs the kernel was built with (build() resolved them)
     with artifact_dir.staging(out) as staged:
         files = {"cubin": f"megakernel.{arch}.cubin", "task_table": "task_table.bin", "source": "megakernel.py", "ptx": f"megakernel.{arch}.ptx"}
         shutil.copyfile(kernel["cubin"], staged / files["cubin"])
