@@ -53,6 +53,7 @@ _ENV.globals.update(COMBINE_RESIDUAL_OPERANDS=tt.COMBINE_RESIDUAL_OPERANDS)  # e
 _ENV.globals.update(BLOCK_SUMS=BLOCK_SUMS, group_size=group_size)
 _ENV.globals.update(gemv_partials_offset=gemv_partials_offset, PARTIAL_WARPS=PARTIAL_WARPS)  # a row-MMA gemv's partial sums
 _ENV.globals.update(router_select_spread=router_select_spread, gemv_select_offset=gemv_select_offset)  # a batch-1 router's top-k
+_ENV.globals.update(FLOAT32_MAX=3.4028234663852886e38)  # the largest finite float32 (topk_select.py.j2)
 
 
 def dynamic_smem_bytes(variants: list[OpVariant], config: KernelConfig = KernelConfig()) -> int:
