@@ -36,8 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from k3mk.ir.replay import EngineCosts, Replay, mla_chunk_rows, replay
-from k3mk.ir.streaming import RingModel, fill_plan
+from k3mk.ir.replay import EngineCosts, Replay, mla_chunk_rows, replay, streamed_plans
+from k3mk.ir.streaming import RingModel
 from k3mk.ir.task_table import TaskTable
 
 FILL_LATENCIES = (0.75e-6, 1.0e-6, 1.5e-6, 2.0e-6, 3.0e-6, 4.0e-6, 5.0e-6, 6.0e-6)
@@ -97,7 +97,7 @@ def fit(build: Build, records: np.ndarray, fields: list[str], sm_stream: float, 
     col = {name: records[:, fields.index(name)].astype(float) * 1e-9 for name in
            ("start", "wait_done", "body_end", "produce_start", "produce_end", "ring_wait")}  # fmt: skip
     table = build.table
-    plans = [fill_plan(v.op, v.params, build.ring.slot_bytes) for v in table.variants]
+    plans = streamed_plans(table, build.ring.slot_bytes)
     chunk_rows = [mla_chunk_rows(v.params, context or v.params.max_len) if v.op == "mla_decode" else [] for v in table.variants]
     flat = [(s, k, t) for s, ts in enumerate(table.lists) for k, t in enumerate(ts)]
     task_bytes = [b for bs in build.task_bytes for b in bs]

@@ -18,7 +18,7 @@ from k3mk.codegen.ops import (
     _check_select,
     _require,
 )
-from k3mk.ir.streaming import ACCUMULATOR_BUDGET, COMBINE_BATCH_ROWS, mxfp4_padded
+from k3mk.ir.streaming import ACCUMULATOR_BUDGET, COMBINE_BATCH_ROWS, KV_FILL_ROWS, mxfp4_padded
 from k3mk.ir.task_table import (
     COMBINE_RESIDUAL_OPERANDS,
     ExpertCombineParams,
@@ -34,7 +34,7 @@ from k3mk.ir.task_table import (
 THREADS = 256  # the templates' mapping assumes KernelConfig().threads (checked at emit time by the templates' asserts)
 MXFP4_GROUP = 32  # inputs per UE8M0 scale = one 16-byte load of packed codes
 WEIGHT_FORMATS = ("bfloat16", "mxfp4")
-MLA_BLOCK_ROWS = 16  # KV rows staged per block in mla_decode (two n-tiles of its score MMAs)
+MLA_BLOCK_ROWS = 2 * KV_FILL_ROWS  # KV rows of an mla_decode block: two ring fills, the two n-tiles of its score MMAs
 MAX_GROUP_HEADS = 16  # heads of one mla_decode task: the M = 16 rows of its score MMAs
 MMA_K = 16  # k per bf16 mma.sync (m16n8k16)
 
@@ -146,13 +146,12 @@ def _check_mla_q_absorb(p: MlaQAbsorbParams) -> None:
 
 
 def decode_layout(p: MlaDecodeParams) -> dict:
-    """Two stages of MLA_BLOCK_ROWS KV rows, bf16 [rows, C + 8] each (the pad makes the fragment loads
-    conflict-free) | the scores' k-part partial sums, fp32 [k-parts, heads (8 or 16), rows + 8]."""
+    """The scores' k-part partial sums, fp32 [k-parts, heads (8 or 16), rows + 8] | the task's ring fills (int32, the
+    body's count for `_fills`). The KV rows are in the ring (ir/streaming.py `_kv_fill_plan`)."""
     c = p.kv_lora_rank + p.rope_dim
-    stages = 2 * MLA_BLOCK_ROWS * (c + 8) * 2
     head_rows = 8 if p.group_heads <= 8 else 16
     scores = (THREADS // 32 // 2) * head_rows * (MLA_BLOCK_ROWS + 8) * 4
-    return {"C": c, "SK": c + 8, "S_OFF": stages, "total": stages + scores, "NB": MLA_BLOCK_ROWS}
+    return {"C": c, "SK": c + 8, "S_OFF": 0, "COUNT_OFF": scores, "total": scores + 16, "NB": MLA_BLOCK_ROWS}
 
 
 def _check_mla_decode(p: MlaDecodeParams) -> None:

@@ -143,6 +143,15 @@ def grouped_share(plan: FillPlan, slot: int) -> float:
     return distinct / (plan.batch * plan.top_k)
 
 
+def streamed_plans(table: TaskTable, slot_bytes: int) -> list[FillPlan | None]:
+    """Each variant's fill plan as the replay prices it: an mla_decode task's KV rows come through the ring too
+    (ir/streaming.py _kv_fill_plan), but the replay times it as a direct op with its per-(row, head) term, which
+    holds its consumers' MMA time (fitted on kernels whose consumers staged the rows from L2; refit from a timeline
+    of the ring kernel)."""
+    plans = [fill_plan(v.op, v.params, slot_bytes) for v in table.variants]
+    return [None if plan is not None and plan.kv_rows else plan for plan in plans]
+
+
 def mla_chunk_rows(params: MlaDecodeParams, context: int) -> list[int]:
     """KV rows of each chunk of an mla_decode variant when a request's context is `context` tokens (its
     position + 1): ir/fused.py kv_chunk_bounds, the split the kernel makes at run time."""
@@ -159,7 +168,7 @@ def replay(
     n = len(table.lists)
     if [len(b) for b in task_bytes] != [len(ts) for ts in table.lists]:
         raise ValueError("task_bytes needs one (weight, other) pair per task of every list")
-    plans = [fill_plan(v.op, v.params, ring.slot_bytes) for v in table.variants]
+    plans = streamed_plans(table, ring.slot_bytes)
     chunk_rows = [mla_chunk_rows(v.params, context or v.params.max_len) if v.op == "mla_decode" else [] for v in table.variants]
     event_done = [0.0] * len(table.events)
     # per CTA: the consumers' end of each task so far, the producer's clock, each fill's land / release time

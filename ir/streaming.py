@@ -23,6 +23,9 @@ fills a ring holds are every warp's work, not all the chunks of one or two warps
                   expert: the producer divides nothing per fill). Grouped (batch > 1, FillPlan.grouped) the task's experts are the step's
                   distinct experts n = slot, slot + top_k, ... (`routing_units`), each applied to every request
                   that chose it: a weight row is read once per step, not once per (request, slot)
+  mla_decode      the chunk's KV rows [start, min(end, n - 1)) in blocks of 16 rows, 2 fills of KV_FILL_ROWS each (a
+                  fill past those rows brings 0 bytes), every consumer warp reading both fills of a block; the
+                  count is 2 per block of the chunk's rows at run time (the step's positions), at most task_fills
   expert_combine  for b in batch: for batches of COMBINE_BATCH_ROWS rows of row groups: for rounds of `warps`
                   slots: for g in the batch: the round's slots j are the units, warp j % warps (expert ids[b, j];
                   its requests and row-group batches run one after another, a barrier between them). Grouped
@@ -31,10 +34,12 @@ fills a ring holds are every warp's work, not all the chunks of one or two warps
                   batch: each unit of the round is ONE fill, which all the round's warps holding its pairs read
                   (their releases add up to one slot's: ring.py.j2 ring_release)
 
-A warp consumes its fills in order and releases each one before it reaches any CTA barrier; that, and a
-producer that waits only for an event complete before its task's consumers may start (a routed expert's
-router: every event the task waits on comes after it), is why the ring cannot deadlock (check_ring
-executes it; the argument is in TaskTable.check_deadlock_free).
+A warp consumes its fills in order and releases each one before it reaches any CTA barrier, except an
+mla_decode block's 2 fills, which every warp holds across the block's barriers and releases before it takes
+the next block's (so a ring of 2 slots or more always has room for a whole block: check_ring takes a block's
+fills together and refuses a 1-slot ring); that, and a producer that waits only for an event complete before
+its task's consumers may start (a routed expert's router: every event the task waits on comes after it), is
+why the ring cannot deadlock (check_ring executes it; the argument is in TaskTable.check_deadlock_free).
 
 Chunks and sums: a bf16 consumer warp sums a row in spans of LANE_ORDER_ELEMENTS (32 lanes x one 16-byte
 vector; a batched gemv's, ROW_MMA_SPAN: 4 lanes x one vector, of 16 rows at once), one pair of m16n8k16 MMAs per
@@ -87,7 +92,12 @@ MMA_COPY_ROWS = 4
 # word of each (mxfp4_dot.py.j2); the staged x is padded to whole spans (zeros past in_features)
 MXFP4_SPAN = 4 * 32
 assert MXFP4_CHUNK_ELEMENTS % MXFP4_SPAN == 0  # a chunk is whole spans (the templates index spans across chunks)
-STREAMING_OPS = ("gemv", "expert_gated", "expert_combine")
+STREAMING_OPS = ("gemv", "expert_gated", "expert_combine", "mla_decode")
+# An mla_decode task streams its chunk's KV cache rows (not weights: the step's cache, rows earlier steps wrote) in fills of
+# KV_FILL_ROWS rows, each row one bulk copy at a padded pitch (its score and value fragment loads bank-conflict free); a
+# block of 2 fills (16 rows: the two n-tiles of its score MMAs) is read by every consumer warp at once (FillPlan.held).
+# The row this step writes (position n - 1, mla_latent's) is never a fill's: the consumers load it after their wait.
+KV_FILL_ROWS = 8
 # Ops whose producer waits before issuing, on the task's weight wait only (the experts' rows are known
 # once the router has written the ids: passes/build_events.py "weight waits"); every other op's producer
 # never waits on an event.
@@ -163,6 +173,13 @@ class FillPlan:
     num_experts: int = 0  # the routed experts'
     row_mma: bool = False  # a batched gemv whose rows are the MMAs' A rows, the requests their columns (ROW_MMA_ROWS)
     split: bool = False  # a row-MMA gemv whose one-group tasks spread their chunks over the warps (gemv_row_mma_split)
+    kv_rows: bool = False  # mla_decode's KV cache rows (`_kv_fill_plan`): out_features = a chunk's most rows
+    pitch: int = 0  # slot bytes from one row to the next where rows are padded (kv_rows); 0 = packed
+
+    @property
+    def held(self) -> int:
+        """Fills a consumer warp holds at once: a KV block's 2 (every warp reads both), else 1."""
+        return 2 if self.kv_rows else 1
 
     def chunk_elements(self, c: int) -> int:
         return min(self.chunk, self.in_features - c * self.chunk)
@@ -188,6 +205,8 @@ class FillPlan:
         """Slot bytes of stream `st`: its row group, or for a window stream the largest window."""
         if st.mma_rows:
             return self.copy_groups() * self.group_pitch(st)
+        if self.pitch:
+            return self.rows * self.pitch
         need = self.rows * st.bytes(self.chunk)
         return -(-need // VECTOR_BYTES) * VECTOR_BYTES + VECTOR_BYTES if st.window else need
 
@@ -229,7 +248,10 @@ class FillPlan:
 
     def task_fills(self, row_count: int) -> int:
         """Fills of a task of `row_count` rows, in every request (and routing slot) it covers: a grouped task
-        (`grouped`) issues at most these, as many as the step's routing gives it."""
+        (`grouped`) issues at most these, as many as the step's routing gives it; an mla_decode task at most 2 per 16-row block
+        of its chunk's most rows, as many as the step's positions give it (2 per block of its chunk's rows)."""
+        if self.kv_rows:
+            return 2 * -(-self.out_features // (2 * self.rows))
         reps = self.batch * (self.top_k if self.op == "expert_combine" else 1) if self.op != "gemv" else 1
         return reps * self.groups(row_count) * self.chunks
 
@@ -241,6 +263,8 @@ class FillPlan:
     def owners(self, row_count: int, warps: int) -> list[int]:
         """The consumer warp of each fill of a task, in issue order (module docstring; a grouped task's: with every
         pair's expert distinct)."""
+        if self.kv_rows:
+            raise ValueError("an mla_decode fill is read by every consumer warp (FillPlan.held), not one")
         groups = self.groups(row_count)
         if self.row_mma and groups == 1:
             return [c % self.split_warps(warps) for c in range(self.chunks)]
@@ -328,6 +352,8 @@ def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | 
     memory in its body: every op but the weight GEMVs and the routed experts)."""
     if op not in STREAMING_OPS:
         return None
+    if op == "mla_decode":
+        return _kv_fill_plan(params, slot_bytes)
     k, batch = params.in_features, params.batch
     if op == "gemv":
         gated = gemv_gated(params)
@@ -381,6 +407,24 @@ def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | 
                 raise StreamingError(f"{op} stream {st.operand!r}: a row of {k} elements gives copies that are not multiples of {VECTOR_BYTES} bytes")
     assert plan.slot_need <= slot_bytes
     return plan
+
+
+def kv_chunk_max_rows(params: Any) -> int:
+    """The most KV rows an mla_decode chunk holds: max(ceil(max_len / num_chunks), min_chunk_rows) (ir/fused.py
+    kv_chunk_bounds at n = max_len)."""
+    return max(-(-params.max_len // params.num_chunks), params.min_chunk_rows)
+
+
+def _kv_fill_plan(params: Any, slot_bytes: int) -> FillPlan:
+    """mla_decode: fills of KV_FILL_ROWS cache rows (kv_lora_rank + rope bf16 each) at a pitch of 8 more elements."""
+    c = params.kv_lora_rank + params.rope_dim
+    pitch = (c + 8) * 2
+    if KV_FILL_ROWS * pitch > slot_bytes:
+        raise StreamingError(f"mla_decode: {KV_FILL_ROWS} KV rows of {c} elements ({KV_FILL_ROWS * pitch} B padded) do not fit a {slot_bytes}-byte slot")
+    if (c * 2) % VECTOR_BYTES or pitch % VECTOR_BYTES:
+        raise StreamingError(f"mla_decode: a KV row of {c} elements is not a multiple of {VECTOR_BYTES} bytes, which the bulk copies need")
+    return FillPlan("mla_decode", c, kv_chunk_max_rows(params), KV_FILL_ROWS, c, 1, (_bf16("cache"),), params.batch,
+                    kv_rows=True, pitch=pitch)  # fmt: skip
 
 
 def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
@@ -455,10 +499,18 @@ def check_ring(table: Any, ring: RingModel, rng: Any = None) -> None:
     n = len(lists)
     if ring.slots < 1 or ring.records < 1:
         raise ValueError(f"a ring needs slots and records, got {ring}")
+    holder = max((p for p in plans if p), key=lambda p: p.held, default=None)
+    if holder is not None and holder.held > ring.slots:
+        raise ValueError(f"deadlock in the streaming loop ({ring.slots} ring slots, {ring.records} records): every {holder.op} "
+                         f"task holds {holder.held} fills at once")  # fmt: skip
 
     def fills(t) -> int:
         plan = plans[t.opcode]
         return plan.task_fills(t.operands.get("row_count", 0)) if plan else 0
+
+    def held(t) -> int:
+        plan = plans[t.opcode]
+        return plan.held if plan else 1
 
     def missing(events) -> int | None:
         return next((e for e in events if seen[e] < counts[e]), None)
@@ -513,6 +565,7 @@ def check_ring(table: Any, ring: RingModel, rng: Any = None) -> None:
                 started[s] = True
             total = fills(t)
             take = min(total - c_within[s], p_fills[s] - c_fills[s])
+            take -= take % held(t)  # an mla_decode block's fills are taken together
             if take > 0:
                 c_fills[s] += take
                 c_within[s] += take

@@ -135,7 +135,9 @@ def test_mla_decode_path_compiles(cache):
     ptx, _ = _compile(table.variants)
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx  # mla_decode's scores (and q absorb's none)
     assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in ptx and "cvt.rna.tf32.f32" in ptx  # its p . V
-    assert "cp.async.cg.shared.global" in ptx  # its staged blocks
+    assert "cp.async.bulk.shared::cluster.global" in ptx  # its KV rows through the ring (no op streams weights here)
+    assert "cp.async.cg.shared.global" in ptx  # the row this step writes, loaded after the wait
+    assert "fence.proxy.async.shared::cta" in ptx  # before the producer's next bulk copy into those slots
     assert "ld.shared.v4" in ptx and "st.global.v4" in ptx
 
 

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from k3mk.ir.streaming import RingModel, check_ring, combine_rounds, fill_plan, routing_units, task_units
+from k3mk.ir.streaming import RingModel, StreamingError, check_ring, combine_rounds, fill_plan, routing_units, task_units
 from k3mk.ir.task_table import (
     ExpertCombineParams,
     ExpertGatedParams,
     Event,
     GemvParams,
+    MlaDecodeParams,
     NopParams,
     OpVariant,
     RouterTopkParams,
@@ -40,8 +41,13 @@ def test_emitted_tables_complete_with_any_ring(name, batch):
     table = emitted(name, batch)[2].table
     streamed = sum(fill_plan(v.op, v.params) is not None for v in table.variants)
     assert streamed > 0
-    for slots, records in ((13, 16), (2, 2), (1, 1)):
+    for slots, records in ((13, 16), (2, 2)):
         table.check_deadlock_free(ring=RingModel(slots, records, 8))
+    # every model's MLA decode holds a block's 2 fills at once: a 1-slot ring (which no kernel has: codegen/ops.py
+    # MIN_RING_SLOTS) is refused
+    assert any(v.op == "mla_decode" for v in table.variants)
+    with pytest.raises(TaskTableError, match="deadlock in the streaming loop"):
+        table.check_deadlock_free(ring=RingModel(1, 1, 8))
     for seed in range(5):  # random interleavings of every CTA's producer and consumers, small rings
         check_ring(table, RingModel(2, 2, 8), random.Random(seed))
 
@@ -156,3 +162,25 @@ def test_experts_are_grouped_where_requests_would_share_them(experts, top_k, bat
     gated = fill_plan("expert_gated", ExpertGatedParams(3584, 3072, experts, batch, top_k, "mxfp4", "situ"))
     combine = fill_plan("expert_combine", ExpertCombineParams(3072, 3584, experts, batch, top_k, "mxfp4"))
     assert gated.grouped == combine.grouped == grouped
+
+
+def test_an_mla_decode_block_holds_two_fills_of_a_two_slot_ring():
+    """An mla_decode task streams its chunk's KV rows in blocks of 2 fills that every consumer warp holds together
+    (ir/streaming.py FillPlan.held): 2 slots suffice whatever the chunk's length, 1 is a deadlock the check names."""
+    mla = OpVariant("mla_decode", MlaDecodeParams(8, 512, 64, 4096, 1, 16, 16, 0.1))
+    plan = fill_plan(mla.op, mla.params)
+    assert (plan.rows, plan.pitch, plan.held, plan.out_features) == (8, (576 + 8) * 2, 2, 256)
+    assert plan.task_fills(0) == 2 * 256 // 16 and plan.slot_need == 8 * 1168
+    tasks = [Task(0, {"chunk": c}, (), None, f"mla {c}") for c in range(3)]
+    check_ring(table_of([tasks], (mla,)), RingModel(2, 2, 8))
+    for seed in range(3):
+        check_ring(table_of([tasks[:2], tasks[2:]], (mla,)), RingModel(2, 2, 8), random.Random(seed))
+    with pytest.raises(ValueError, match=r"deadlock in the streaming loop \(1 ring slots, 2 records\): every mla_decode task holds 2 fills at once"):
+        check_ring(table_of([tasks], (mla,)), RingModel(1, 2, 8))
+
+
+def test_mla_decode_kv_rows_that_do_not_fit_a_slot_are_refused():
+    wide = MlaDecodeParams(8, 1024, 64, 4096, 1, 16, 16, 0.1)  # 8 rows x 2192 B > 16 KB
+    with pytest.raises(StreamingError, match="8 KV rows of 1088 elements"):
+        fill_plan("mla_decode", wide)
+    assert fill_plan("mla_decode", wide, 32 * 1024).slot_need == 8 * (1088 + 8) * 2
