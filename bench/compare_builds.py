@@ -1,27 +1,30 @@
 """Several builds of ONE model (e.g. `--kernel-option` variants, or two commits' builds) on the same GPU weights: do they
 compute the same step, and how fast is each?
 
-    python bench/compare_builds.py OUT_JSON ARTIFACT_DIR [ARTIFACT_DIR ...]
+    [K3MK_POSITION=P] python bench/compare_builds.py OUT_JSON ARTIFACT_DIR [ARTIFACT_DIR ...]
 
 All artifacts must be of the same model, batch and max context. Random weights are generated on the GPU
 once (`random_weights(config, 0, bf16, "cuda")`) and bound by every build; each build runs STEPS steps
 from zeroed decode state with the same token ids (the first build's greedy tokens fed back) at positions
-0, 1, ...; the logits of every step are compared bit for bit with the first build's (builds that differ
-only in how weights reach the SM, like ring and slot sizes, run the same arithmetic in the same
-order). Then the step time: bench/timeline.py's step_time_us (the mean of 50 eager steps after 3 untimed, each
-request its own token: the greedy tokens of random weights converge, and requests that all route alike would time
-the best case of the routed experts' grouping by expert).
+P, P + 1, ... (K3MK_POSITION, default 0; at a long position the MLA chunks hold the zeroed cache's rows: a
+timing of the attention's length, not of its values); the logits of every step are compared bit for bit
+with the first build's (builds that differ only in how weights reach the SM, like ring and slot sizes, run
+the same arithmetic in the same order). Then the step time: bench/timeline.py's step_time_us (the mean of
+50 eager steps after 3 untimed, each request its own token: the greedy tokens of random weights converge,
+and requests that all route alike would time the best case of the routed experts' grouping by expert).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import torch
 
 STEPS = 8
+POSITION = int(os.environ.get("K3MK_POSITION", "0"))
 
 
 def run(art: Path, weights, tokens: list[torch.Tensor] | None):
@@ -37,10 +40,10 @@ def run(art: Path, weights, tokens: list[torch.Tensor] | None):
         for t in range(STEPS):
             tok = tokens[t] if tokens is not None else tok
             fed.append(tok.clone())
-            next_tokens, out = model.step(tok, torch.full((batch,), t, dtype=torch.int32, device="cuda"))
+            next_tokens, out = model.step(tok, torch.full((batch,), POSITION + t, dtype=torch.int32, device="cuda"))
             logits.append(out.clone())
             tok = next_tokens.clone()
-        us = step_time_us(model, tok, torch.full((batch,), STEPS, dtype=torch.int32, device="cuda"))
+        us = step_time_us(model, tok, torch.full((batch,), POSITION + STEPS, dtype=torch.int32, device="cuda"))
     del model
     return logits, fed, us
 
@@ -56,7 +59,7 @@ def main(out: str, arts: list[str]) -> None:
         raise SystemExit(f"the artifacts are of different models / batches / contexts: {sorted(keys)}")
     weights = random_weights(load_config(manifests[0]["model"]), 0, torch.bfloat16, device="cuda")
     rec = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": manifests[0]["model"],
-           "batch": manifests[0]["max_tokens"], "steps_compared": STEPS, "timed_steps": TIMED_STEPS, "builds": []}  # fmt: skip
+           "batch": manifests[0]["max_tokens"], "position": POSITION, "steps_compared": STEPS, "timed_steps": TIMED_STEPS, "builds": []}  # fmt: skip
     first, tokens = None, None
     for art in arts:
         logits, fed, us = run(Path(art), weights, tokens)
