@@ -17,6 +17,7 @@ from k3mk.codegen.ops import (
     KernelConfig,
     VariantCode,
     gemv_partials_offset,
+    gemv_rstd_offset,
     gemv_select_offset,
     kernel_batch,
     ring_layout,
@@ -52,6 +53,7 @@ _ENV.globals.update(COMBINE_BATCH_ROWS=COMBINE_BATCH_ROWS)  # expert_combine's b
 _ENV.globals.update(COMBINE_RESIDUAL_OPERANDS=tt.COMBINE_RESIDUAL_OPERANDS)  # expert_combine's residuals, in add order
 _ENV.globals.update(BLOCK_SUMS=BLOCK_SUMS, group_size=group_size)
 _ENV.globals.update(gemv_partials_offset=gemv_partials_offset, PARTIAL_WARPS=PARTIAL_WARPS)  # a row-MMA gemv's partial sums
+_ENV.globals.update(gemv_rstd_offset=gemv_rstd_offset)  # gated_rmsnorm's rstd table
 _ENV.globals.update(router_select_spread=router_select_spread, gemv_select_offset=gemv_select_offset)  # a batch-1 router's top-k
 _ENV.globals.update(FLOAT32_MAX=3.4028234663852886e38)  # the largest finite float32 (topk_select.py.j2)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from k3mk.ir.streaming import X_STAGE_BYTES, FillPlan, StreamingError, fill_plan, gemv_row_mma_split
+from k3mk.ir.streaming import X_SMEM_BUDGET, X_STAGE_BYTES, FillPlan, StreamingError, fill_plan, gemv_row_mma_split
 from k3mk.ir.task_table import (
     MAX_ATTN_RES_SOURCES,
     OP_KINDS,
@@ -41,7 +41,6 @@ from k3mk.ir.task_table import (
 
 VECTOR_ELEMENTS = 8  # bf16 per 16-byte load
 MAX_BATCH = 16
-X_SMEM_BUDGET = 160 * 1024  # GEMV stages its (normalised) input in shared memory
 # Beside the consumers: the producer warp (it also forwards the task records), the waiter and the signaller warps
 # (megakernel.py.j2: events waited and released off the consumers). Where the consumers take more registers than the
 # launch's even share (KernelConfig.moves_registers), a spare warp makes them one support warpgroup: `setmaxnreg`
@@ -165,14 +164,16 @@ class GemvTuning:
 
 
 def _x_needs_smem(p: GemvParams) -> bool:
+    """Staged up to X_SMEM_BUDGET whatever the kernel's staging limit: the rmsnorm prologue needs the copy (passes/fuse_norm.py
+    fuses a norm only where it fits: _check_gemv), gated_rmsnorm's tasks reuse it (a wider one reads x from the arena)."""
     return p.rmsnorm or p.epilogue == "gated_rmsnorm"
 
 
 def gemv_x_in_smem(p: GemvParams, limit: int = X_SMEM_BUDGET) -> bool:
-    """Stage x in smem when the rmsnorm prologue or the gated_rmsnorm statistics need the copy (up to
-    X_SMEM_BUDGET: checked by _check_gemv) or when it fits `limit` (x_staging_limit); otherwise the dot
-    loop reads x from the arena (L1 / L2): K3's 33792-wide dense down projection at batch >= 3, Kimi
-    Linear's 9216-wide one at batch >= 3."""
+    """Stage x in smem when the rmsnorm prologue or gated_rmsnorm wants the copy (up to X_SMEM_BUDGET) or when
+    it fits `limit` (x_staging_limit); otherwise the dot loop reads x from the arena (L1 / L2): K3's
+    33792-wide dense down projection at batch >= 3, Kimi Linear's 9216-wide one at batch >= 3, K3's 7168-wide
+    gated_rmsnorm g_proj at batch >= 12."""
     return p.batch * p.in_features * 2 <= (X_SMEM_BUDGET if _x_needs_smem(p) else min(limit, X_SMEM_BUDGET))
 
 
@@ -299,8 +300,8 @@ def _check_gemv(p: GemvParams) -> None:
     _check_batch(p.batch)
     _require(p.in_features % VECTOR_ELEMENTS == 0, f"gemv in_features {p.in_features} not a multiple of {VECTOR_ELEMENTS}")
     _require((p.x_stride or p.in_features) % VECTOR_ELEMENTS == 0, "gemv x_stride must keep rows 16-byte aligned")
-    _require(gemv_x_in_smem(p) or not (p.rmsnorm or p.epilogue == "gated_rmsnorm"),
-             f"gemv input batch*in*2 = {p.batch * p.in_features * 2} B exceeds {X_SMEM_BUDGET} B of smem (needed by the rmsnorm prologue / gated_rmsnorm)")  # fmt: skip
+    _require(gemv_x_in_smem(p) or not p.rmsnorm,
+             f"gemv input batch*in*2 = {p.batch * p.in_features * 2} B exceeds {X_SMEM_BUDGET} B of smem (needed by the rmsnorm prologue)")  # fmt: skip
     _require(p.epilogue in GEMV_EPILOGUES, f"gemv epilogue {p.epilogue!r}; known: {GEMV_EPILOGUES}")
     _require(p.out_dtype in ("bfloat16", "float32"), f"gemv out_dtype {p.out_dtype!r}")
     _require(0 <= p.residuals <= MAX_RESIDUALS, f"gemv residuals {p.residuals} outside [0, {MAX_RESIDUALS}]")
@@ -320,9 +321,9 @@ def _check_gemv(p: GemvParams) -> None:
         _require(p.beta > 0 and (p.linear_beta is None or p.linear_beta > 0), "situ_mul needs beta, linear_beta > 0")
 
 
-def _gemv_rstd_offset(p: GemvParams) -> int:
-    """gated_rmsnorm: byte offset of the per-(batch, head) fp32 rstd table, after the staged input."""
-    return (p.batch * p.in_features * 2 + 15) // 16 * 16
+def gemv_rstd_offset(p: GemvParams) -> int:
+    """gated_rmsnorm: byte offset of the per-(batch, head) fp32 rstd table, after the staged input if any."""
+    return (p.batch * p.in_features * 2 + 15) // 16 * 16 if gemv_x_in_smem(p) else 0
 
 
 # A row-MMA gemv's partial C fragments where a task of one group is split over the warps (gemv.py.j2,
@@ -334,7 +335,7 @@ PARTIAL_WARPS = KernelConfig().warps
 def _gemv_staged_bytes(p: GemvParams) -> int:
     """The staged input, and gated_rmsnorm's rstd table after it."""
     if p.epilogue == "gated_rmsnorm":
-        return _gemv_rstd_offset(p) + p.batch * (p.out_features // p.head_dim) * 4
+        return gemv_rstd_offset(p) + p.batch * (p.out_features // p.head_dim) * 4
     return p.batch * p.in_features * 2
 
 
@@ -367,7 +368,7 @@ def _gemv_op_smem(p: GemvParams, limit: int = X_SMEM_BUDGET) -> int:
     if router_select_spread(p):
         return gemv_select_offset(p, gemv_x_in_smem(p, limit)) + _router_select_bytes(p)
     if not gemv_x_in_smem(p, limit):
-        return 0  # x read from the arena (no rmsnorm, no gated_rmsnorm: _check_gemv)
+        return _gemv_staged_bytes(p) if p.epilogue == "gated_rmsnorm" else 0  # x read from the arena (no rmsnorm: _check_gemv)
     if gemv_row_mma_split(p):
         return gemv_partials_offset(p) + PARTIAL_WARPS * 32 * 16 * -(-p.batch // 8)
     return _gemv_staged_bytes(p)

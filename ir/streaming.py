@@ -79,6 +79,9 @@ ROW_MMA_MIN_BATCH = 4
 ROW_MMA_SPAN = 4 * 8
 CHUNKED_ROWS = 4  # rows of a batched gemv's chunked fill in the diagonal form: its copies per stream (fill_plan)
 X_STAGE_BYTES = 64 * 1024  # a gemv stages an input it could read from the arena up to this (codegen/ops.py x_staging_limit)
+# The most a gemv stages in shared memory beside the ring: its whole (normalised) input, batch x in_features bf16. An
+# rmsnorm prologue needs that copy, so passes/fuse_norm.py fuses a norm only into readers whose input fits.
+X_SMEM_BUDGET = 160 * 1024
 # MXFP4 expert fills: the code rows of all streams are A rows 0..7 of the consumer's m16n8k16 MMAs (A rows 8..15
 # hold the same rows' other code pairs, codegen/templates/mxfp4_dot.py.j2), MMA row g reading code row mma_code_row
 MMA_ROWS = 8
@@ -326,9 +329,10 @@ def _row_mma_chunking(k: int, rows: int, slot_bytes: int, what: str) -> tuple[in
 
 
 def gemv_stages_x(params: Any) -> bool:
-    """Whether a gemv's input is in shared memory in every kernel: its rmsnorm prologue or gated_rmsnorm statistics
-    need the copy, or it fits X_STAGE_BYTES (codegen/ops.py gemv_x_in_smem)."""
-    return params.rmsnorm or params.epilogue == "gated_rmsnorm" or params.batch * params.in_features * 2 <= X_STAGE_BYTES
+    """Whether a gemv's input is in shared memory in every kernel: its rmsnorm prologue needs the copy, gated_rmsnorm
+    keeps one up to X_SMEM_BUDGET, or it fits X_STAGE_BYTES (codegen/ops.py gemv_x_in_smem)."""
+    need = params.batch * params.in_features * 2
+    return params.rmsnorm or (params.epilogue == "gated_rmsnorm" and need <= X_SMEM_BUDGET) or need <= X_STAGE_BYTES
 
 
 def gemv_row_mma(params: Any) -> bool:

@@ -7,7 +7,7 @@ The rules, each in its own file, in this order (later rules see earlier rules' o
   fuse_gated            act(gate GEMV, up GEMV) -> one gated GEMV, dense and routed experts (spec 5.1)
   fuse_expert_combine   moe_combine into the expert down projection                        (spec 5.3)
   fuse_epilogue         kda_gate, MLA sigmoid gate, KDA gated o_norm, router top-k into their GEMV
-  fuse_norm             rmsnorm into every GEMV-family reader (prologue)                   (spec 7)
+  fuse_norm             rmsnorm into every GEMV-family reader whose staged input fits      (spec 7)
   fuse_residual         residual / prefix / "+ shared" adds into a GEMV or combine epilogue (spec 2)
 
 Guarantees to `tile`: the graph verifies; it computes what its input computed, exactly except the

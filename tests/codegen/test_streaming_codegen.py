@@ -38,6 +38,7 @@ GEMVS = [
     GemvParams(264, 384, 4, rmsnorm=True, epilogue="kda_gate", out_dtype="float32", head_dim=128),
     GemvParams(520, 640, 1, rmsnorm=True, epilogue="gated_rmsnorm", head_dim=128, o_eps=1e-5),
     GemvParams(520, 640, 4, rmsnorm=True, epilogue="gated_rmsnorm", head_dim=128, o_eps=1e-5),
+    GemvParams(7168, 1536, 16, epilogue="gated_rmsnorm", head_dim=128, o_eps=1e-5),  # K3's g_proj at 16: x from the arena
     GemvParams(2304, 4096, 1, rmsnorm=True),
     GemvParams(9216, 2304, 1, residuals=1),
     GemvParams(2304, 9216, 1, rmsnorm=True, epilogue="silu_mul"),

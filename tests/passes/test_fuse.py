@@ -158,6 +158,27 @@ def test_every_expected_fusion_fires_on_k3_tiny():
     assert not left, f"unfused ops left: {left}"
 
 
+def test_a_norm_too_wide_to_stage_keeps_its_task(monkeypatch):
+    """The rmsnorm prologue normalises a staged copy of its input: where batch x hidden bf16 exceeds the budget (K3's 7168
+    at 16 tokens), the norm stays a task and its readers read y. Budget set between k3-tiny's batch 2 and 4."""
+    import k3mk.passes.fuse_norm as fuse_norm
+
+    hidden = load_config("k3-tiny").hidden_size
+    monkeypatch.setattr(fuse_norm, "X_SMEM_BUDGET", 3 * hidden * 2)
+    target = Target(load_config("k3-tiny"))
+    assert {k: v for k, v in fusion_counts(fuse(captured("k3-tiny", 1), target)).items() if k.startswith("rmsnorm->")} == {
+        k: v for k, v in K3_TINY_FUSIONS.items() if k.startswith("rmsnorm->")}  # fmt: skip
+    graph = captured("k3-tiny", 4)
+    fused = fuse(graph, target)
+    fused.verify()
+    def wide_norms(g: Graph) -> int:
+        return sum(isinstance(n.op, RMSNorm) and g.tensors[n.inputs[0]].shape[-1] == hidden for n in g.nodes)
+
+    assert wide_norms(graph) > 0 and wide_norms(fused) == wide_norms(graph)  # the narrower MLA norms still fuse
+    values = random_values("k3-tiny", 4, seed=11)
+    assert_same_step(run(fused, values), run(graph, values))
+
+
 def test_kimi_linear_moe_adds_go_to_the_routed_combine():
     """Routed + shared and the residual stream add land on the routed combine (the end of the layer's
     critical path); the shared expert's down projection is a plain GEMV beside the routed experts."""
