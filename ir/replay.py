@@ -98,8 +98,8 @@ H200_2026_12_03 = EngineCosts(
         "kda_recurrence": (1.0e-6, 23e9),
         # the others: the b1 fit, a fixed time per task (their bytes did not fit a rate at one batch)
         "kda_conv": (5.25e-6, 1e15),
-        # mla_decode: Kimi Linear b4 timelines of 576f448 at positions 1,006 and 8,106 (BENCHMARKS.md, 2026-12-02 late
-        # evening): 37.9 / 242.9 ms of bodies over 3,696 tasks and 0.90M / 7.26M (KV row, head) pairs
+        # mla_decode's fixed part: Kimi Linear b4 timelines of 576f448 at positions 1,006 and 8,106 (BENCHMARKS.md,
+        # 2026-12-02 late evening: the FMA kernel's 37.9 / 242.9 ms of bodies over 3,696 tasks, 0.90M / 7.26M (KV row, head) pairs)
         "mla_decode": (2.4e-6, 1e15),
         "mla_q_absorb": (5.25e-6, 1e15),
         "mla_v_up": (9.06e-6, 1e15),
@@ -108,7 +108,12 @@ H200_2026_12_03 = EngineCosts(
         "router_topk": (5.72e-6, 1e15),
         "nop": (1.19e-6, 1e15),
     },
-    mla_head_row=32.2e-9,  # the same two timelines' per-(row, head) term
+    # per (KV row, head) of an mla_decode task: the K3-size MLA layer bench on mma.sync (tests/runtime bench_mla_k3_t8192:
+    # 132 decode tasks of 16 heads x 373 rows at 8K) measured 75.1 us on the H200 (2026-12-02; 77.96 us on an H100 on
+    # 2026-12-06 with the KV rows through the ring), which this replay of its table gives at 9.5 ns. The FMA kernel's
+    # 32.2 ns (the timelines above; its bench 192.1 us, replayed as 210.8) had the replay 10-16% slow on the batch-1 8K
+    # cells of the 2026-12-05 grid and 26% on Kimi Linear b4 8K; with 9.5 ns every one of them is within 4.5-7.6%.
+    mla_head_row=9.5e-9,
 )
 
 

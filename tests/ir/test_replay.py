@@ -159,3 +159,19 @@ def test_grouped_experts_stream_the_expected_distinct_experts():
     assert grouped_share(gated, 0) == grouped_share(gated, 1) == 0.5
     assert grouped_share(combine, 0) == pytest.approx(3.75 / 8)
     assert not fill_plan("expert_gated", ExpertGatedParams(64, 64, 256, 4, 2)).grouped  # 7.9 of 8 distinct
+
+
+def test_the_mla_term_replays_the_k3_mla_layer_bench():
+    """H200_2026_12_03's MLA constants against their op microbenchmark: the K3-size MLA layer at 8K
+    (tests/runtime bench_mla_k3_t8192: latent, q absorb, 132 decode tasks, v_up; every op a direct one, so its bytes do
+    not enter) measured 75.1 us on an H200 (BENCHMARKS.md, 2026-12-02: MLA decode on mma.sync)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+    from moe_mla_cases import moe_mla_cases
+
+    case = next(c for c in moe_mla_cases() if c.name == "bench_mla_k3_t8192")
+    table = case.builder.table()
+    step = replay(table, [[(0, 0)] * len(ts) for ts in table.lists], RingModel(4, 16, WARPS), H200_2026_12_03, 8192).step_s
+    assert step == pytest.approx(75.1e-6, rel=0.05)
