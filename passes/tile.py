@@ -530,12 +530,18 @@ def _gated_rmsnorm(ctx: Context, node: Node) -> list[Task]:
 def _elementwise(ctx: Context, node: Node) -> list[Task]:
     """Operands and result of one shape: [B, n] in column chunks, [B, k, n] per routing slot (so the
     expert ops downstream, which read one slot, wait for that slot only). An all-reduce chunk is what
-    one task exchanges with its peers (the collective protocol itself synchronizes the ranks)."""
+    one task exchanges with its peers (the collective protocol itself synchronizes the ranks). An add
+    takes one contiguous range (task table format 3), so with several rows and several pieces its
+    pieces are column chunks of one row each (Kimi K3's TP adds of the all-reduced residual stream at
+    batch >= 3)."""
     shape = ctx.shape(node.outputs[0])
+    parts = min(ctx.num_sms, max(1, ctx.tensor(node.outputs[0]).nbytes // ELEMENTWISE_BYTES))
     if len(shape) == 3:
         pieces = [{1: (j, j + 1)} for j in range(shape[1])]
+    elif node.op.name == "add" and shape[0] > 1 and parts > 1:
+        per_row = max(1, parts // shape[0])
+        pieces = [{0: (b, b + 1), 1: c} for b in range(shape[0]) for c in split(shape[1], per_row, COLUMN_GRANULE)]
     else:
-        parts = min(ctx.num_sms, max(1, ctx.tensor(node.outputs[0]).nbytes // ELEMENTWISE_BYTES))
         pieces = [{len(shape) - 1: c} for c in split(shape[-1], parts, COLUMN_GRANULE)]
     return [ctx.task(node, {"slice": p}, {i: sub(shape, p) for i in range(len(node.inputs))}, [sub(shape, p)]) for p in pieces]
 

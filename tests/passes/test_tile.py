@@ -189,6 +189,29 @@ def test_running_the_tasks_computes_the_graph(name, batch, tp, fused_):
             assert torch.equal(got[key], ref), key
 
 
+def test_an_add_of_several_rows_is_tiled_in_contiguous_pieces(monkeypatch):
+    """Task table format 3's add takes one contiguous range: with several rows and several pieces (Kimi K3's TP adds of
+    the all-reduced residual stream at 16 tokens: 229 KB, 14 pieces), each piece is columns of one row. Pieces made
+    small here so that k3-tiny's TP2 adds at batch 4 split; the tasks still compute the graph."""
+    monkeypatch.setattr(tile_pass, "ELEMENTWISE_BYTES", 64)
+    name, batch = "k3-tiny", 4
+    graph, target = graph_of(name, batch, 2, True)
+    tg = tile(graph, target)
+    assert coverage_errors(tg) == []
+    adds = [t for t in tg.tasks if t.op is not None and t.op.name == "add"]
+    assert adds and len(adds) > len({t.node for t in adds}) * batch  # several rows, several column pieces of each
+    for t in adds:
+        (out,) = t.results
+        assert len(byte_runs(out.boxes[0], graph.tensors[out.tensor].shape, 1)) == 1, out.text()
+    config = CONFIGS[name]()
+    weights = random_weights(config, 0, torch.float32)
+    values = step_values(captured(name, batch), 2, config.vocab_size)
+    expected = ranks.run(graph, {**weights, **values})
+    got = run_tasks(tg, values, weights)
+    for key, ref in expected.items():
+        assert (rel(got[key], ref) < 1e-6) if ref.is_floating_point() else torch.equal(got[key], ref), key
+
+
 def test_tiles_fill_the_sms_of_a_large_target():
     """At K3-like widths a GEMV gets a multiple of the SM count and the KDA recurrence splits heads."""
     graph, _ = graph_of("k3-tiny", 1, 1, True)
