@@ -113,3 +113,32 @@ def test_full_kimi_linear_48b_kernel_builds(tmp_path):
     assert {"mla_decode", "mla_v_up", "kda_recurrence", "expert_gated"} <= ops and "router_topk" not in ops
     assert any(v["op"] == "gemv" and v["params"]["epilogue"] == "router" for v in m["variants"])
     print(f"full kimi-linear-48b-a3b build: {time.perf_counter() - t0:.1f} s, {m['num_tasks']} tasks")
+
+
+@pytest.mark.slow
+def test_k3_widths_at_16_tokens_execute_like_the_interpreter():
+    """At 16 tokens K3's 7168-wide hidden state (229 KB bf16) no longer fits a GEMV's staged input: its norms stay
+    tasks (passes/fuse_norm.py) and the gated_rmsnorm g_proj reads x from the arena (codegen/ops.py gemv_x_in_smem;
+    tests/codegen/test_streaming_codegen.py compiles that variant). The table executes like the interpreter."""
+    from k3mk.codegen.ops import gemv_x_in_smem
+
+    batch, context = 16, 512
+    config = k3_proxy_real_width()
+    graph = capture(config, batch, context, BF16)
+    out = run_pipeline(graph, Target.for_arch(config, max_tokens=batch, max_context=context, dtype=BF16), PIPELINE).output
+    table = out.table
+    ops = Counter(v.op for v in table.variants)
+    assert ops["rmsnorm"] >= 1
+    gated_norm = [v.params for v in table.variants if v.op == "gemv" and v.params.epilogue == "gated_rmsnorm"]
+    assert gated_norm and not any(gemv_x_in_smem(p) for p in gated_norm)
+    tg_graph = out.task_graph.graph
+    weights = random_weights(config, 0, BF16)
+    gen = torch.Generator().manual_seed(1)
+    state = {t.name: (0.5 * torch.randn(t.shape, generator=gen)).to(t.dtype) for t in tg_graph.by_role(Role.STATE)}
+    ex = TableExecutor(table, weights, {k: v.clone() for k, v in state.items()})
+    inputs = {"token_ids": torch.randint(0, config.vocab_size, (batch,), generator=gen), "positions": torch.randint(0, context, (batch,), generator=gen)}
+    expected = interpreter.run(tg_graph, {**weights, **inputs, **state})
+    ex.step(inputs)
+    assert torch.equal(ex.buffer("logits"), expected["logits"])
+    for k in state:
+        assert torch.equal(ex.pointers[table.state_id(k)], expected[k]), k
