@@ -364,6 +364,12 @@ def moe_mla_cases() -> list[MoeMlaCase]:
         expert_combine_case("expert_combine_bf16_residuals_b4_k12", 4, 264, 520, 20, 12, "bfloat16", row_tiles=5, ctas=4, residuals=2),
         expert_combine_case("expert_combine_mxfp4_b8_same", 8, 224, 144, 9, 4, "mxfp4", row_tiles=4, ctas=4, same_experts=True),
         expert_combine_case("expert_combine_mxfp4_residual_b1", 1, 224, 272, 9, 4, "mxfp4", row_tiles=3, ctas=3, residuals=1),
+        # 16 tokens (--max-tokens 16): the router, both expert kinds in both formats (64 routing pairs), MLA decode
+        router_case("router_b16_norm", 16, 1032, 264, 8, norm=True, renormalize=True, scaling=1.0),
+        expert_gated_case("expert_gated_bf16_silu_b16", 16, 520, 136, 24, 4, "bfloat16", "silu", row_tiles=2, ctas=4),
+        expert_gated_case("expert_gated_mxfp4_situ_b16", 16, 544, 208, 9, 4, "mxfp4", "situ", row_tiles=2, ctas=3),
+        expert_combine_case("expert_combine_bf16_residuals_b16", 16, 264, 520, 20, 4, "bfloat16", row_tiles=5, ctas=4, residuals=2),
+        expert_combine_case("expert_combine_mxfp4_b16", 16, 224, 144, 9, 4, "mxfp4", row_tiles=4, ctas=4),
         # 16.5 KB rows in 2 chunks, 9 slots: a round of 8 slots and a round of 1, chunk by chunk
         expert_combine_case("expert_combine_bf16_b2_chunked", 2, 8448, 40, 11, 9, "bfloat16", row_tiles=2, ctas=2),
         expert_combine_case("expert_combine_mxfp4_b1", 1, 224, 272, 9, 4, "mxfp4", row_tiles=3, ctas=3),
@@ -375,6 +381,7 @@ def moe_mla_cases() -> list[MoeMlaCase]:
         moe_graph_case(router_tiles=3),
         mla_case("mla_k3dims_b1", 1, 5, 512, 64, 128, 128, 700, 6, 32, 4, ctas=8),
         mla_case("mla_odd_b4", 4, 3, 136, 24, 40, 24, 157, 3, 16, 2, ctas=6),
+        mla_case("mla_odd_b16", 16, 3, 136, 24, 40, 24, 157, 3, 16, 2, ctas=6),
         # K3 MLA at T = 8192, batch 1: 96 heads; decode = 22 chunks x 6 groups of 16 heads = 132 tasks.
         mla_case("bench_mla_k3_t8192", 1, 96, 512, 64, 128, 128, 8192, 22, 64, 16, ctas=132, head_tiles=48, bench=True),
         bench_expert_case("gated"),

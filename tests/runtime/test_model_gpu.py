@@ -32,7 +32,7 @@ LOGIT_TOL = 5e-2
 ROUTER_MARGIN = 1e-2
 
 pytestmark = pytest.mark.gpu
-CASES = [("k3-tiny", 1), ("k3-tiny", 4), ("kl", 1), ("kl", 4)]
+CASES = [("k3-tiny", 1), ("k3-tiny", 4), ("kl", 1), ("kl", 4), ("k3-tiny", 16), ("kl", 16)]
 RESULTS: dict = {}
 
 
