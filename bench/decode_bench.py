@@ -47,7 +47,7 @@ from k3mk.compiler.generate import clear_mask, top2_gap
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("kimi-linear-48b-a3b", "k3-proxy-16l", "k3-proxy-16l-bf16")
-BATCHES = (1, 2, 4, 8)
+BATCHES = (1, 2, 4, 8, 16)
 CONTEXTS = (1024, 8192, 32768)
 SEED = 0
 CHECK_STEPS = 3

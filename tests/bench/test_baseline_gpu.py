@@ -2,7 +2,7 @@
 reference, with fresh random inputs (tests/bench/kernel_checks.py holds the checks and tolerances):
 
 - every replacement op at small sizes (as the CPU interpreter test, here compiled) and at full width
-  (Kimi Linear 48B and K3 dims, batch 1 and 8): Triton kernels, the absorbed MLA, fla's fused recurrent
+  (Kimi Linear 48B and K3 dims, batch 1, 8 and 16): Triton kernels, the absorbed MLA, fla's fused recurrent
   KDA (both gate forms) and gated norm;
 - the MoE, MLA and KDA layers of k3-tiny and kimi-linear-tiny against the reference's;
 - the whole step on k3-tiny / kimi-linear-tiny: greedy tokens equal to the reference's wherever its
@@ -42,7 +42,7 @@ def test_small_cases():
     print(C.small_cases("cuda"))
 
 
-@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("batch", [1, 8, 16])
 def test_elementwise_kernels_full_width(batch):
     gen = _gen(batch)
     for dim in (7168, 2304, 1536, 512):
@@ -53,12 +53,12 @@ def test_elementwise_kernels_full_width(batch):
     C.check_kda_conv(gen, BF16, batch=batch, p=4096)
 
 
-@pytest.mark.parametrize("experts,top_k,batch", [(64, 16, 8), (256, 8, 8), (896, 16, 4), (256, 8, 1)])
+@pytest.mark.parametrize("experts,top_k,batch", [(64, 16, 8), (256, 8, 8), (896, 16, 4), (256, 8, 1), (896, 16, 16)])
 def test_router_full_width(experts, top_k, batch):
     C.check_router_topk(_gen(experts), batch=batch, experts=experts, top_k=top_k)
 
 
-@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("batch", [1, 8, 16])
 @pytest.mark.parametrize("form", ["kimi-linear bf16 silu", "k3 mxfp4 situ", "k3 bf16 situ"])
 def test_experts_full_width(form, batch):
     """The real expert shapes (fewer experts: the widths are what the kernel tiles)."""
