@@ -285,13 +285,16 @@ def mla_case(name: str, batch: int, heads: int, rank: int, rope: int, nope: int,
 # checkpoint's) and bf16 (the bf16 proxy's, Kimi Linear's form) ---
 
 
-def bench_expert_case(form: str, mxfp4: bool = True, experts: int = 32, top_k: int = 16, ctas: int = 132) -> MoeMlaCase:
+def bench_expert_case(form: str, mxfp4: bool = True, experts: int = 32, top_k: int = 16, ctas: int = 132, batch: int = 1) -> MoeMlaCase:
+    """One MoE layer's routed experts at the K3 proxies' widths. `weight_bytes` is one request's; at batch > 1 (gated
+    only: requests routed independently, the experts grouped) test_bench_expert_bandwidth counts the distinct experts'
+    (meta `expert_bytes` each)."""
     latent, inter = 3584, 3072
     b = TableBuilder(ctas)
-    ids = b.buffer("ids", "int32", (1, top_k))
+    ids = b.buffer("ids", "int32", (batch, top_k))
     if form == "gated":
-        x = b.buffer("x", "bfloat16", (1, latent))
-        y = b.buffer("y", "bfloat16", (1, top_k, inter))
+        x = b.buffer("x", "bfloat16", (batch, latent))
+        y = b.buffer("y", "bfloat16", (batch, top_k, inter))
         if mxfp4:
             w1, s1 = b.weight("w1_packed", "uint8", (experts, inter, latent // 2)), b.weight("w1_scale", "uint8", (experts, inter, latent // 32))
             w3, s3 = b.weight("w3_packed", "uint8", (experts, inter, latent // 2)), b.weight("w3_scale", "uint8", (experts, inter, latent // 32))
@@ -303,8 +306,9 @@ def bench_expert_case(form: str, mxfp4: bool = True, experts: int = 32, top_k: i
             weight_bytes = top_k * 2 * inter * latent * 2
 
         def inputs(gen, weights, step):
-            return {"x": _randn(gen, (1, latent), "cpu").to(torch.bfloat16), "ids": _distinct_ids(gen, 1, top_k, experts, "cpu")}
+            return {"x": _randn(gen, (batch, latent), "cpu").to(torch.bfloat16), "ids": _distinct_ids(gen, batch, top_k, experts, "cpu")}
     else:
+        assert batch == 1, "the combine bench is of one request"
         x = b.buffer("x", "bfloat16", (1, top_k, inter))
         tw = b.buffer("topk_weights", "float32", (1, top_k))
         y = b.buffer("y", "bfloat16", (1, latent))
@@ -320,8 +324,9 @@ def bench_expert_case(form: str, mxfp4: bool = True, experts: int = 32, top_k: i
             return {"x": _randn(gen, (1, top_k, inter), "cpu").to(torch.bfloat16), "ids": _distinct_ids(gen, 1, top_k, experts, "cpu"),
                     "topk_weights": torch.rand((1, top_k), generator=gen) / top_k}  # fmt: skip
 
-    return MoeMlaCase(f"bench_expert_{form}_{'mxfp4' if mxfp4 else 'bf16'}_k3", b, "bench", default_weights(b, (118, 122)), inputs, outputs=["y"],
-                      meta={"weight_bytes": weight_bytes, "form": form})  # fmt: skip
+    name = f"bench_expert_{form}_{'mxfp4' if mxfp4 else 'bf16'}_k3" + (f"_b{batch}" if batch > 1 else "")
+    return MoeMlaCase(name, b, "bench", default_weights(b, (118, 122)), inputs, outputs=["y"],
+                      meta={"weight_bytes": weight_bytes, "expert_bytes": weight_bytes // top_k, "form": form})  # fmt: skip
 
 
 def moe_mla_cases() -> list[MoeMlaCase]:
@@ -393,4 +398,6 @@ def moe_mla_cases() -> list[MoeMlaCase]:
         bench_expert_case("combine"),
         bench_expert_case("gated", mxfp4=False),
         bench_expert_case("combine", mxfp4=False),
+        # the bf16 proxy's gated experts at batch 8 (64 experts, top-16, requests routed independently: ~58 distinct)
+        bench_expert_case("gated", mxfp4=False, experts=64, batch=8),
     ]
