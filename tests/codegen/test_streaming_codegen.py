@@ -409,6 +409,47 @@ def test_router_top_k_spreads_over_the_warps_at_batch_1_only():
     assert "_select_spread(" in emit_source([OpVariant("gemv", GemvParams(2304, 256, 1, **router))])
 
 
+@pytest.mark.parametrize("nreq", [1, 3, 8, 13])
+def test_grouped_expert_row_mma_gives_every_requests_gate_and_up(nreq):
+    """A grouped bf16 expert on row MMAs as expert_gated.py.j2 renders it, on the PTX fragments: of the task's table of the
+    expert's requests (`reqs`: request * 256 + slot words, nreq of them, 16 requests compiled: two n-tiles), n-tile nt's
+    B column n is request reqs[min(8nt + n, nreq - 1)]'s x; lane 4i + t stores element e of each n-tile as (request,
+    slot) reqs[8nt + 2t + e] where that is < nreq, gate from d[e] and up from d[2 + e]. Every (row, request that chose the
+    expert) gets its gate and up dot, once, and nothing else is stored."""
+    gen = torch.Generator().manual_seed(nreq)
+    k, batch, top_k = 96, 16, 4
+    gate, up = torch.randn(8, k, generator=gen, dtype=torch.float64), torch.randn(8, k, generator=gen, dtype=torch.float64)
+    x = torch.randn(batch, k, generator=gen, dtype=torch.float64)
+    chosen = torch.randperm(batch, generator=gen)[:nreq].sort().values.tolist()
+    reqs = [r * 256 + (r * 7) % top_k for r in chosen]
+    stored = {}
+    for nt in range(2):
+        if 8 * nt >= nreq:
+            continue  # the n-tile's branch is not taken
+        chains = [[[0.0] * 4 for _ in range(32)] for _ in range(2)]
+        for s in range(k // 32):
+            vec = lambda t: slice(32 * s + 8 * t, 32 * s + 8 * t + 8)  # noqa: E731
+            a = [gate[lane // 4, vec(lane % 4)] for lane in range(32)]
+            a2 = [up[lane // 4, vec(lane % 4)] for lane in range(32)]
+            xv = [x[reqs[min(lane // 4 + 8 * nt, nreq - 1)] // 256, vec(lane % 4)] for lane in range(32)]
+            for j in range(2):
+                words = lambda v, lane, m: v[lane][4 * j + 2 * m:4 * j + 2 * m + 2]  # noqa: E731
+                chains[j] = mma_m16n8k16([[words(a, l, 0), words(a2, l, 0), words(a, l, 1), words(a2, l, 1)] for l in range(32)],
+                                         [[words(xv, l, 0), words(xv, l, 1)] for l in range(32)], chains[j])  # fmt: skip
+        for lane in range(32):
+            i, t = lane // 4, lane % 4
+            d = [chains[0][lane][m] + chains[1][lane][m] for m in range(4)]
+            for e in range(2):
+                jj = 8 * nt + 2 * t + e
+                if jj < nreq:
+                    key = (reqs[jj] // 256, reqs[jj] % 256, i)
+                    assert key not in stored
+                    stored[key] = (d[e], d[2 + e])
+    assert set(stored) == {(r, (r * 7) % top_k, i) for r in chosen for i in range(8)}
+    for (r, _, i), (g, u) in stored.items():
+        assert abs(g - gate[i] @ x[r]) < 1e-9 and abs(u - up[i] @ x[r]) < 1e-9
+
+
 def test_case_tables_emit():
     """Every GPU op case's table generates (the producer halves and consumer halves render)."""
     for name, case in all_cases().items():
