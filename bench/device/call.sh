@@ -6,9 +6,10 @@
 #
 # A call has one limit for everything (the device tool's timeout): `step` starts nothing once fewer than $STEP_MIN
 # seconds (default 45) are left before $LIMIT (default 560) from the source, and gives COMMAND at most what is left
-# ($STEP_MAX at most, default 200), so a slow step cannot take the results of the others with it. SKIP="NAME ..." leaves out the steps an earlier call ran
-# (a warm machine keeps artifacts_dev/, so a second call may pass no PACK). The device tool brings back at most 8 files:
-# when the script exits, everything under $OUT goes into $OUT/results.tar.xz.
+# ($STEP_MAX at most, default 200), so a slow step cannot take the results of the others with it. SKIP="NAME ..."
+# leaves out the steps an earlier call ran (a warm machine keeps artifacts_dev/, so a second call may pass no PACK).
+# The device tool brings back at most 8 files: when the script exits, everything under $OUT goes into
+# $OUT/results.tar.xz. K3MK_DEVICE_DRY=1 skips the wheels, PYTHONPATH and nvidia-smi (its CPU test).
 T0=$SECONDS
 OUT=${OUT:?the device tool sets OUT}
 export PYTHONUNBUFFERED=1
