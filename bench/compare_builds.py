@@ -50,14 +50,14 @@ def run(art: Path, weights, tokens: list[torch.Tensor] | None):
 
 def main(out: str, arts: list[str]) -> None:
     from k3mk.bench.timeline import TIMED_STEPS
-    from k3mk.compiler.config import load_config
+    from k3mk.bench.model_configs import artifact_config
     from k3mk.compiler.random_weights import random_weights
 
     manifests = [json.loads((Path(a) / "manifest.json").read_text()) for a in arts]
     keys = {(m["model"], m["max_tokens"], m["max_context"]) for m in manifests}
     if len(keys) != 1:
         raise SystemExit(f"the artifacts are of different models / batches / contexts: {sorted(keys)}")
-    weights = random_weights(load_config(manifests[0]["model"]), 0, torch.bfloat16, device="cuda")
+    weights = random_weights(artifact_config(manifests[0], arts[0]), 0, torch.bfloat16, device="cuda")
     rec = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": manifests[0]["model"],
            "batch": manifests[0]["max_tokens"], "position": POSITION, "steps_compared": STEPS, "timed_steps": TIMED_STEPS, "builds": []}  # fmt: skip
     first, tokens = None, None

@@ -32,7 +32,7 @@ HALF = 32  # teacher-forced steps at each end of the context
 
 def main(art: str, out: str | None) -> None:
     from k3mk.compiler.generate import clear_mask
-    from k3mk.compiler.config import load_config
+    from k3mk.bench.model_configs import artifact_config
     from k3mk.compiler.generate import build_decode_step
     from k3mk.compiler.ops import k3mk
     from k3mk.compiler.random_weights import random_weights
@@ -46,7 +46,7 @@ def main(art: str, out: str | None) -> None:
     if ctx < 2 * HALF + batch:
         raise SystemExit(f"{art}: max_context {ctx} is too short for {2 * HALF} steps at batch {batch}")
     rec.update(batch=batch, max_context=ctx)
-    config = load_config(manifest["model"])
+    config = artifact_config(manifest, str(art))
     rec["model"] = manifest["model"]
     dev = torch.device("cuda")
     t0 = time.perf_counter()

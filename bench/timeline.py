@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--release", type=Path, help="the same model built without --profile: time it too")
     args = parser.parse_args()
 
-    from k3mk.compiler.config import load_config
+    from k3mk.bench.model_configs import artifact_config
     from k3mk.compiler.random_weights import random_weights
     from k3mk.runtime import abi
     from k3mk.runtime.model import DecodeModel
@@ -74,9 +74,7 @@ def main() -> None:
     manifest = json.loads((args.artifact / "manifest.json").read_text())
     if not manifest.get("profile"):
         raise SystemExit(f"{args.artifact} is not a profile build: compile it with `k3mk compile --profile --out ...`")
-    config = load_config(manifest["model"])
-    if config.hash() != manifest["config_hash"]:
-        raise SystemExit(f"{args.artifact} was not built from the preset {manifest['model']!r} (config hash differs)")
+    config = artifact_config(manifest, str(args.artifact))
     last = args.position + args.warmup + args.steps  # the timed steps run at this position
     if last >= manifest["max_context"]:
         raise SystemExit(f"position {last} is outside the artifact's max context {manifest['max_context']}")
