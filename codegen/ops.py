@@ -450,7 +450,7 @@ def variant_code(index: int, variant: OpVariant, config: KernelConfig, x_limit: 
         plan = fill_plan(variant.op, variant.params, config.slot_bytes)
     except StreamingError as e:
         raise CodegenError(str(e)) from None
-    if tuning is not None and plan.row_mma and not tuning.x_smem:  # ir/streaming.py gemv_stages_x promised it
+    if plan is not None and plan.row_mma and not tuning.x_smem:  # ir/streaming.py gemv_stages_x promised it
         raise CodegenError(f"gemv {variant.params}: a row-MMA fill plan but its input is not staged")
     if variant.op == "gemv" and router_select_spread(variant.params) and config.warps != SELECT_WARPS:
         raise CodegenError(f"gemv {variant.params}: a batch-1 router's top-k is laid out for {SELECT_WARPS} consumer warps, not {config.warps}")

@@ -18,9 +18,8 @@ Per CTA two processes, as in the kernel and in the ring-aware deadlock check (ir
   wall: first start to last body_end).
 
 The routed experts grouped by expert (batch > 1, ir/streaming.py FillPlan.grouped) stream the distinct experts that
-requests routed independently would choose (`grouped_share`), while their consumers still take a pass per request,
-except the gated experts whose requests are the MMAs' columns (MXFP4: one pass for 4; bf16 on row MMAs: one pass): a
-step whose requests share more experts streams less.
+requests routed independently would choose (`grouped_share`), while their consumers still take a pass per request
+(the MXFP4 gated expert's: one pass for 4): a step whose requests share more experts streams less.
 
 What it leaves out: HBM shared unevenly (an SM streaming alone gets more than its share: the model errs
 slow when few SMs stream), L2 hits, the KDA state's L2 prefetch.
@@ -204,8 +203,8 @@ def replay(
             weight_bytes *= share
             fills = max(1, round(fills * share))
         fill_bytes = weight_bytes / fills if fills else 0.0
-        # the consumers' work per fill: a grouped fill serves 1 / share requests, one pass each, except a gated expert's
-        # whose requests are the MMA's columns (MXFP4, bf16 row MMAs: its code or weight rows are mma_rows streams)
+        # the consumers' work per fill: a grouped fill serves 1 / share requests, one pass each, except the MXFP4 gated
+        # expert's (its requests are the MMA's columns: one pass)
         passes = 1.0 / share if plan is not None and plan.grouped and not (plan.op == "expert_gated" and any(st.mma_rows for st in plan.streams)) else 1.0
         # the consumers take the task once its record is there and the previous task is done (the profile's
         # start stamp), then wait for its events (its wait_done)

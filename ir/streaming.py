@@ -22,11 +22,7 @@ fills a ring holds are every warp's work, not all the chunks of one or two warps
   expert_gated    for u in the task's experts: units = row groups g, warp (u * groups + g) % warps  (rounds within an
                   expert: the producer divides nothing per fill). Grouped (batch > 1, FillPlan.grouped) the task's experts are the step's
                   distinct experts n = slot, slot + top_k, ... (`routing_units`), each applied to every request
-                  that chose it: a weight row is read once per step, not once per (request, slot). A bf16 grouped
-                  expert from ROW_MMA_MIN_BATCH requests is a row-MMA one (FillPlan.row_mma: 8 rows' gate and up x a K
-                  chunk per fill, the expert's requests the MMAs' columns): its units are the task's (expert, row
-                  group) pairs i = u * groups + g, warp i % warps, chunk-major over rounds of them (the experts'
-                  groups side by side: an expert holds 2 groups of a 16-row task, which alone would keep 2 warps busy)
+                  that chose it: a weight row is read once per step, not once per (request, slot)
   mla_decode      the chunk's KV rows [start, min(end, n - 1)) in blocks of 16 rows, 2 fills of KV_FILL_ROWS each (a
                   fill past those rows brings 0 bytes), every consumer warp reading both fills of a block; the
                   count is 2 per block of the chunk's rows at run time (the step's positions), at most task_fills
@@ -178,7 +174,7 @@ class FillPlan:
     batch: int
     top_k: int = 1
     num_experts: int = 0  # the routed experts'
-    row_mma: bool = False  # batched rows as the MMAs' A rows, the requests their columns (ROW_MMA_ROWS): a gemv, a grouped bf16 expert_gated
+    row_mma: bool = False  # a batched gemv whose rows are the MMAs' A rows, the requests their columns (ROW_MMA_ROWS)
     split: bool = False  # a row-MMA gemv whose one-group tasks spread their chunks over the warps (gemv_row_mma_split)
     kv_rows: bool = False  # mla_decode's KV cache rows (`_kv_fill_plan`): out_features = a chunk's most rows
     pitch: int = 0  # slot bytes from one row to the next where rows are padded (kv_rows); 0 = packed
@@ -239,13 +235,12 @@ class FillPlan:
         chose it: the routed experts at batch > 1 with whole rows per fill, where requests routed independently would
         share experts (`expected_distinct_experts` at most GROUPING_DISTINCT of the (request, slot) pairs). A row cut into
         chunks would need each request's partial sums kept across the chunks (registers per request): there every
-        (request, slot) streams its own expert's rows, as at batch 1, except on row MMAs (`row_mma`), whose C fragments
-        hold every request's sums across the chunks. Grouping costs each task its expert table (a
+        (request, slot) streams its own expert's rows, as at batch 1. Grouping costs each task its expert table (a
         warp's shuffles, ~2 us) and pays back only the bytes of shared experts: with every pair's expert distinct it
         was 1.9-2.8% slower on the K3 proxies at batch 4 (BENCHMARKS.md, 2026-12-03 late night)."""
-        if self.op not in ("expert_gated", "expert_combine") or (self.chunks > 1 and not self.row_mma):
+        if self.op not in ("expert_gated", "expert_combine") or self.batch == 1 or self.chunks > 1:
             return False
-        return experts_shared(self.num_experts, self.top_k, self.batch)
+        return expected_distinct_experts(self.num_experts, self.top_k, self.batch) <= GROUPING_DISTINCT * self.batch * self.top_k
 
     @property
     def batch_groups(self) -> int:
@@ -274,12 +269,10 @@ class FillPlan:
         if self.kv_rows:
             raise ValueError("an mla_decode fill is read by every consumer warp (FillPlan.held), not one")
         groups = self.groups(row_count)
-        if self.op == "gemv" and self.row_mma and groups == 1:
+        if self.row_mma and groups == 1:
             return [c % self.split_warps(warps) for c in range(self.chunks)]
         if self.op == "gemv":
             return [g % warps for g, _ in chunk_major(groups, warps, self.chunks)]
-        if self.op == "expert_gated" and self.row_mma:
-            return [i % warps for i, _ in chunk_major(self.batch * groups, warps, self.chunks)]
         if self.op == "expert_gated":
             return [(u * groups + g) % warps for u in range(self.batch) for g, _ in chunk_major(groups, warps, self.chunks)]
         batch_groups = self.batch_groups
@@ -333,22 +326,6 @@ def _row_mma_chunking(k: int, rows: int, slot_bytes: int, what: str) -> tuple[in
         if rows * _row_pitch(chunk * 2) <= slot_bytes:
             return chunk, -(-k // chunk)
     raise StreamingError(f"{what}: a {slot_bytes}-byte slot holds no {rows} rows of {ROW_MMA_SPAN} elements")
-
-
-def experts_shared(num_experts: int, top_k: int, batch: int) -> bool:
-    """Whether requests routed independently would share enough experts for grouping by expert to pay (FillPlan.grouped):
-    batch > 1 and expected distinct experts at most GROUPING_DISTINCT of the (request, slot) pairs."""
-    return batch > 1 and expected_distinct_experts(num_experts, top_k, batch) <= GROUPING_DISTINCT * batch * top_k
-
-
-def expert_row_mma(params: Any) -> bool:
-    """Whether a routed gated expert runs on row MMAs (FillPlan.row_mma): bf16, grouped by expert (`experts_shared`), from
-    ROW_MMA_MIN_BATCH requests. Its 8 rows' gate and up are the A rows, the expert's requests B's columns (up to 8 per
-    n-tile): each weight vector a lane loads serves every request that chose the expert, and the C fragments hold each
-    request's sums across K chunks, where the diagonal form took a pass over a whole-row fill per 4 requests and read
-    x once per request and row (the bf16 proxy b8's gated bodies streamed at 21.8 GB/s per CTA, consumer bound)."""
-    return (params.weight_format == "bfloat16" and params.batch >= ROW_MMA_MIN_BATCH
-            and experts_shared(params.num_experts, params.top_k, params.batch))  # fmt: skip
 
 
 def gemv_stages_x(params: Any) -> bool:
@@ -412,7 +389,7 @@ def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | 
         raise StreamingError(f"{op}: an MXFP4 row of {k} elements ({row_bytes} B with its scales) does not fit a {slot_bytes}-byte slot")
     else:
         rows, chunk, chunks = 1, *_chunking(k, row_bytes / k, slot_bytes - slack, lane_order, f"{op} ({len(streams)} stream(s))")
-    row_mma = gemv_row_mma(params) if op == "gemv" else op == "expert_gated" and expert_row_mma(params)
+    row_mma = op == "gemv" and gemv_row_mma(params)
     if row_mma:
         streams = tuple(Stream(st.operand, 2, 1, mma_rows=True) for st in streams)
         rows, chunk, chunks = ROW_MMA_ROWS // len(streams), *_row_mma_chunking(k, ROW_MMA_ROWS, slot_bytes, op)
@@ -427,7 +404,7 @@ def fill_plan(op: str, params: Any, slot_bytes: int = SLOT_BYTES) -> FillPlan | 
             if more * more_chunk >= rows * chunk:
                 rows, chunk, chunks = more, more_chunk, more_chunks
     plan = FillPlan(op, k, params.out_features, rows, chunk, chunks, streams, batch, top_k, getattr(params, "num_experts", 0), row_mma,
-                    row_mma and op == "gemv" and gemv_row_mma_split(params))
+                    row_mma and gemv_row_mma_split(params))
     for st in streams:
         for c in range(chunks):
             if not st.window and (st.bytes(plan.chunk_elements(c)) % VECTOR_BYTES or st.bytes(k) % VECTOR_BYTES):

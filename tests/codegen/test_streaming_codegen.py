@@ -55,16 +55,8 @@ EXPERTS = [
     ("expert_combine", ExpertCombineParams(3072, 3584, 64, 4, 16, "mxfp4")),
     ("expert_gated", ExpertGatedParams(256, 256, 16, 4, 4, "mxfp4", "situ")),  # k3-tiny: 8-byte scale rows (windows)
     ("expert_gated", ExpertGatedParams(544, 208, 9, 1, 4, "mxfp4", "situ")),  # 17 groups per row
-    # bf16 grouped on row MMAs (ir/streaming.py expert_row_mma): the bf16 proxy at 8 and 16 (two n-tiles), Kimi Linear at
-    # 8 (a short last chunk), a row of whole vectors but not whole spans
-    ("expert_gated", ExpertGatedParams(3584, 3072, 64, 8, 16, "bfloat16", "situ")),
-    ("expert_gated", ExpertGatedParams(2304, 1024, 256, 8, 8)),
-    ("expert_gated", ExpertGatedParams(520, 264, 7, 4, 3)),
 ]
 VARIANTS = [OpVariant("gemv", p) for p in GEMVS] + [OpVariant(op, p) for op, p in EXPERTS]
-# compiled in a kernel of batch 16 (KernelConfig.for_batch: the consumers' 192 registers; two n-tiles of row MMAs
-# spill at the narrow kernel's 168)
-WIDE = [OpVariant("expert_gated", ExpertGatedParams(3584, 3072, 64, 16, 16, "bfloat16", "situ"))]
 
 
 def lane_vectors_whole_row(k: int, vector: int) -> dict[int, list[int]]:
@@ -91,7 +83,7 @@ def test_fill_plans_fit_their_slot_and_keep_each_lanes_summation_order(slot_byte
         k = v.params.in_features
         assert plan.slot_need <= slot_bytes and plan.rows >= 1, (v, plan)
         assert (plan.chunks - 1) * plan.chunk < k <= plan.chunks * plan.chunk
-        assert plan.chunks == 1 or plan.rows == 1 or plan.row_mma or (v.op == "gemv" and v.params.batch > 1)  # tests below
+        assert plan.chunks == 1 or plan.rows == 1 or (v.op == "gemv" and v.params.batch > 1)  # test below
         for s, st in enumerate(plan.streams):
             assert plan.stream_offset(s) % VECTOR_BYTES == 0
             if not st.window:
@@ -136,15 +128,7 @@ def test_fill_counts_and_owners():
     combine = fill_plan("expert_combine", ExpertCombineParams(1024, 2304, 256, 2, 8), 16 * 1024)
     assert combine.rows == 8 and combine.task_fills(20) == 2 * 3 * 8  # requests x groups x slots
     assert combine.owners(20, 8) == list(range(8)) * 6  # every row group's 8 slots over the 8 warps
-    # bf16 grouped from batch 4 on row MMAs: 8 rows' gate and up x 448 elements (8 chunks); the units are the task's
-    # (expert, row group) pairs, side by side in rounds, chunk-major (a 16-row task: 2 groups per expert, at most 8 experts)
-    rm = fill_plan("expert_gated", ExpertGatedParams(3584, 3072, 64, 8, 16, "bfloat16", "situ"), 16 * 1024)
-    assert rm.row_mma and rm.grouped and (rm.rows, rm.chunk, rm.chunks) == (8, 448, 8) and rm.task_fills(16) == 8 * 2 * 8
-    assert rm.owners(16, 8) == [i % 8 for r0 in range(0, 16, 8) for _ in range(8) for i in range(r0, r0 + 8)]
-    assert rm.owners(8, 8) == [i % 8 for _ in range(8) for i in range(8)]  # one group per expert: 8 experts side by side
-    assert not fill_plan("expert_gated", ExpertGatedParams(3584, 3072, 64, 2, 16, "bfloat16", "situ")).row_mma  # batch 2
-    assert not fill_plan("expert_gated", ExpertGatedParams(2304, 1024, 256, 4, 8)).row_mma  # not grouped: few shared
-    for plan, rows in ((gemv, 31), (long, 3), (gated, 10), (combine, 20), (rm, 16)):
+    for plan, rows in ((gemv, 31), (long, 3), (gated, 10), (combine, 20)):
         owners = plan.owners(rows, 8)
         assert len(owners) == plan.task_fills(rows)
 
@@ -209,17 +193,13 @@ def row_mma_lane_vectors(plan) -> dict[int, list[int]]:
     return out
 
 
-ROW_MMA_PLANS = ([("gemv", p) for p in GEMVS if p.batch > 1 and fill_plan("gemv", p).row_mma] + [("gemv", GemvParams(4096, 2304, 8, residuals=1))]
-                 + [(op, p) for op, p in EXPERTS if fill_plan(op, p).row_mma] + [(v.op, v.params) for v in WIDE])  # fmt: skip
-
-
-@pytest.mark.parametrize("op, params", ROW_MMA_PLANS)
-def test_row_mma_fills_are_conflict_free_and_chunk_independent(op, params):
-    """A batched gemv's (or grouped bf16 expert's) consumer lane 4i + t loads the span's vector t of rows i and i + 8
-    (gated: row i's gate and up). The 8 lanes of a shared-memory wavefront (i = 2q, 2q + 1) load from distinct 16-byte
-    bank groups in every span (the rows 64 bytes apart mod 128), and the spans a lane sums are the whole row's in order
-    whatever the chunks (spans never straddle a chunk)."""
-    plan = fill_plan(op, params, 16 * 1024)
+@pytest.mark.parametrize("params", [p for p in GEMVS if p.batch > 1 and fill_plan("gemv", p).row_mma] + [GemvParams(4096, 2304, 8, residuals=1)])
+def test_row_mma_fills_are_conflict_free_and_chunk_independent(params):
+    """A batched gemv's consumer lane 4i + t loads the span's vector t of rows i and i + 8 (gated: row i's gate and
+    up). The 8 lanes of a shared-memory wavefront (i = 2q, 2q + 1) load from distinct 16-byte bank groups in every
+    span (the rows 64 bytes apart mod 128), and the spans a lane sums are the whole row's in order whatever the
+    chunks (spans never straddle a chunk)."""
+    plan = fill_plan("gemv", params, 16 * 1024)
     assert plan.row_mma and plan.rows * len(plan.streams) == 16 and plan.slot_need <= 16 * 1024
     gated = len(plan.streams) == 2
     for c in range(plan.chunks):
@@ -409,47 +389,6 @@ def test_router_top_k_spreads_over_the_warps_at_batch_1_only():
     assert "_select_spread(" in emit_source([OpVariant("gemv", GemvParams(2304, 256, 1, **router))])
 
 
-@pytest.mark.parametrize("nreq", [1, 3, 8, 13])
-def test_grouped_expert_row_mma_gives_every_requests_gate_and_up(nreq):
-    """A grouped bf16 expert on row MMAs as expert_gated.py.j2 renders it, on the PTX fragments: of the task's table of the
-    expert's requests (`reqs`: request * 256 + slot words, nreq of them, 16 requests compiled: two n-tiles), n-tile nt's
-    B column n is request reqs[min(8nt + n, nreq - 1)]'s x; lane 4i + t stores element e of each n-tile as (request,
-    slot) reqs[8nt + 2t + e] where that is < nreq, gate from d[e] and up from d[2 + e]. Every (row, request that chose the
-    expert) gets its gate and up dot, once, and nothing else is stored."""
-    gen = torch.Generator().manual_seed(nreq)
-    k, batch, top_k = 96, 16, 4
-    gate, up = torch.randn(8, k, generator=gen, dtype=torch.float64), torch.randn(8, k, generator=gen, dtype=torch.float64)
-    x = torch.randn(batch, k, generator=gen, dtype=torch.float64)
-    chosen = torch.randperm(batch, generator=gen)[:nreq].sort().values.tolist()
-    reqs = [r * 256 + (r * 7) % top_k for r in chosen]
-    stored = {}
-    for nt in range(2):
-        if 8 * nt >= nreq:
-            continue  # the n-tile's branch is not taken
-        chains = [[[0.0] * 4 for _ in range(32)] for _ in range(2)]
-        for s in range(k // 32):
-            vec = lambda t: slice(32 * s + 8 * t, 32 * s + 8 * t + 8)  # noqa: E731
-            a = [gate[lane // 4, vec(lane % 4)] for lane in range(32)]
-            a2 = [up[lane // 4, vec(lane % 4)] for lane in range(32)]
-            xv = [x[reqs[min(lane // 4 + 8 * nt, nreq - 1)] // 256, vec(lane % 4)] for lane in range(32)]
-            for j in range(2):
-                words = lambda v, lane, m: v[lane][4 * j + 2 * m:4 * j + 2 * m + 2]  # noqa: E731
-                chains[j] = mma_m16n8k16([[words(a, l, 0), words(a2, l, 0), words(a, l, 1), words(a2, l, 1)] for l in range(32)],
-                                         [[words(xv, l, 0), words(xv, l, 1)] for l in range(32)], chains[j])  # fmt: skip
-        for lane in range(32):
-            i, t = lane // 4, lane % 4
-            d = [chains[0][lane][m] + chains[1][lane][m] for m in range(4)]
-            for e in range(2):
-                jj = 8 * nt + 2 * t + e
-                if jj < nreq:
-                    key = (reqs[jj] // 256, reqs[jj] % 256, i)
-                    assert key not in stored
-                    stored[key] = (d[e], d[2 + e])
-    assert set(stored) == {(r, (r * 7) % top_k, i) for r in chosen for i in range(8)}
-    for (r, _, i), (g, u) in stored.items():
-        assert abs(g - gate[i] @ x[r]) < 1e-9 and abs(u - up[i] @ x[r]) < 1e-9
-
-
 def test_case_tables_emit():
     """Every GPU op case's table generates (the producer halves and consumer halves render)."""
     for name, case in all_cases().items():
@@ -463,8 +402,6 @@ def test_streaming_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
     from k3mk.codegen.build import compile_source
 
     monkeypatch.setenv("K3MK_CACHE_DIR", str(tmp_path / "cache"))
-    _, wide = compile_source(emit_source(WIDE + [v for v in VARIANTS if v.params.batch == 16], KernelConfig().for_batch(16)), "sm_90a")
-    assert wide["spill_store_bytes"] == 0
     entry, info = compile_source(emit_source(VARIANTS), "sm_90a")
     print(f"streaming kernel: {info.get('registers')} registers, spills {info.get('spill_store_bytes')} / "
           f"{info.get('spill_load_bytes')} B, {info['compile_seconds']} s")  # fmt: skip

@@ -347,16 +347,13 @@ def moe_mla_cases() -> list[MoeMlaCase]:
         expert_gated_case("expert_gated_bf16_silu_b4_same", 4, 520, 264, 7, 3, "bfloat16", "silu", row_tiles=3, ctas=5, same_experts=True),
         expert_gated_case("expert_gated_bf16_silu_b4_k12", 4, 264, 136, 20, 12, "bfloat16", "silu", row_tiles=2, ctas=6),
         expert_gated_case("expert_gated_mxfp4_situ_b4_same", 4, 544, 208, 9, 4, "mxfp4", "situ", row_tiles=2, ctas=3, same_experts=True),
-        # 8 requests on one expert: MXFP4, two passes over each fill, 4 requests each in the MMA's columns; bf16 from
-        # batch 4 on row MMAs (ir/streaming.py expert_row_mma: 8 rows' gate and up x a K chunk, the expert's requests
-        # B's columns), here 5 chunks of 480 and groups of 8 rows of a 36-row task (the last one 4 rows)
+        # 8 requests on one expert: two passes over each fill, 4 requests each (expert_gated.py.j2: MXFP4, in the MMA's
+        # columns; bf16, 4 accumulator chains); bf16 with 3 requests past the first pass on some experts
         expert_gated_case("expert_gated_mxfp4_silu_b8_same", 8, 256, 72, 6, 3, "mxfp4", "silu", row_tiles=2, ctas=3, same_experts=True),
         expert_gated_case("expert_gated_bf16_situ_b8_same", 8, 2304, 72, 6, 3, "bfloat16", "situ", row_tiles=2, ctas=3, same_experts=True),
         expert_gated_case("expert_gated_bf16_silu_b8", 8, 2304, 72, 6, 3, "bfloat16", "silu", row_tiles=2, ctas=3),
-        # 18 KB gated rows: at batch 2 (not on row MMAs) each row cut into 2 chunks, 36 rows x 2 requests per task,
-        # rounds of 8 units, chunk by chunk, the last round short (ir/streaming.py chunk_major); at batch 4 on row MMAs,
-        # 10 chunks of 480, the task's (expert, row group) pairs in rounds
-        expert_gated_case("expert_gated_bf16_silu_b2_chunked", 2, 4608, 72, 5, 2, "bfloat16", "silu", row_tiles=2, ctas=2),
+        # rows cut into 2 chunks (18 KB gated rows), 36 rows x 4 requests per task: rounds of 8 units, chunk by chunk,
+        # the last round short (ir/streaming.py chunk_major)
         expert_gated_case("expert_gated_bf16_silu_b4_chunked", 4, 4608, 72, 5, 2, "bfloat16", "silu", row_tiles=2, ctas=2),
         # MXFP4 rows of odd group counts (17, 7 scale bytes); an expert's scale block stays a multiple of 16 bytes,
         # which the streaming ring's bulk copies need (ir/streaming.py fill_plan)
@@ -375,7 +372,7 @@ def moe_mla_cases() -> list[MoeMlaCase]:
         # 16 tokens (--max-tokens 16): the router, both expert kinds in both formats (64 routing pairs), MLA decode
         router_case("router_b16_norm", 16, 1032, 264, 8, norm=True, renormalize=True, scaling=1.0),
         expert_gated_case("expert_gated_bf16_silu_b16", 16, 520, 136, 24, 4, "bfloat16", "silu", row_tiles=2, ctas=4),
-        # 16 requests on each expert: the row MMAs' two n-tiles
+        # 16 requests on each expert: four passes of 4 over each fill
         expert_gated_case("expert_gated_bf16_situ_b16_same", 16, 520, 136, 24, 4, "bfloat16", "situ", row_tiles=2, ctas=4, same_experts=True),
         expert_gated_case("expert_gated_mxfp4_situ_b16", 16, 544, 208, 9, 4, "mxfp4", "situ", row_tiles=2, ctas=3),
         expert_combine_case("expert_combine_bf16_residuals_b16", 16, 264, 520, 20, 4, "bfloat16", row_tiles=5, ctas=4, residuals=2),
