@@ -210,6 +210,10 @@ def all_cases() -> dict[str, Case]:
         # 4 rows x 4 chunks of 1792 per fill (ir/streaming.py fill_plan at batch > 1), short last groups
         gemv_case("gemv_b4_norm_chunked", 4, 7168, 70, tiles=3, ctas=2, norm=True, residual=True),
         gemv_case("gemv_b16_norm", 16, 264, 100, tiles=3, ctas=3, norm=True, residual=False),
+        # row MMAs on tensor copies (ir/streaming.py ROW_MMA_ROWS): tiles of 43 rows (a group's rows past its tile are
+        # the next tile's, past the weight zeros), a last chunk past K; b16: two n-tiles
+        gemv_case("gemv_b8_norm_tiles", 8, 2304, 300, tiles=7, ctas=3, norm=True, residual=True),
+        gemv_case("gemv_b16_norm_tiles", 16, 1056, 100, tiles=3, ctas=3, norm=True, residual=False),
         rmsnorm_case(),
         embedding_case(),
         argmax_case("argmax_bf16_b4", 4, 50257, "bfloat16", tasks=2),

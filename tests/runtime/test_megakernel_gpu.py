@@ -23,7 +23,7 @@ from k3mk.ir import semantics  # noqa: E402
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 CASES = all_cases()
-OP_CASES = ["gemv_b1", "gemv_b4_norm_residual", "gemv_b4_norm_chunked", "gemv_b16_norm", "rmsnorm_b3", "embedding_b4", "argmax_bf16_b4",
+OP_CASES = ["gemv_b1", "gemv_b4_norm_residual", "gemv_b4_norm_chunked", "gemv_b16_norm", "gemv_b8_norm_tiles", "gemv_b16_norm_tiles", "rmsnorm_b3", "embedding_b4", "argmax_bf16_b4",
             "argmax_f32_b1", "add", "diamond", "chain"]  # fmt: skip
 BF16_TOLERANCE = 1e-2  # DESIGN.md, Numerics: bf16 paths around 1e-2
 

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 SUFFIX = "ring2"
-FRAMEWORK = ["gemv_b1", "gemv_b4_norm_residual", "gemv_b4_norm_chunked", "diamond", "chain"]
-KDA = ["gated_silu_b4", "gated_silu_b4_chunked", "gated_rmsnorm_b4", "kda_layer_b4"]
+FRAMEWORK = ["gemv_b1", "gemv_b4_norm_residual", "gemv_b4_norm_chunked", "gemv_b8_norm_tiles", "diamond", "chain"]
+KDA = ["gated_silu_b4", "gated_silu_b4_chunked", "gated_silu_b8_rm", "gated_rmsnorm_b4", "kda_layer_b4"]
 MOE_MLA = ["expert_gated_bf16_silu_b4", "expert_gated_mxfp4_silu_b4", "expert_combine_bf16_b4", "expert_combine_mxfp4_b4", "moe_graph_b4",
            "expert_gated_bf16_silu_b4_chunked", "expert_combine_bf16_b2_chunked",
            # MLA decode's KV blocks of 2 fills: with 2 slots the producer and the consumers take turns block by block
