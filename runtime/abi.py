@@ -34,15 +34,17 @@ PARAMS: tuple[Param, ...] = (
     Param("arena", "ptr", "uint8", 16),  # activation arena
     Param("weights", "ptr", "int64", 8),  # int64[num_weights]: device pointers
     Param("debug", "ptr", "int64", 8),  # int64[num_ctas * DEBUG_WORDS] watchdog records
-    Param("tensor_maps", "ptr", "uint8", 64),  # CUtensorMap[num_weights] (TENSOR_MAP_BYTES each): see TILE_MAP_SPAN
+    Param("tensor_maps", "ptr", "uint8", 64),  # CUtensorMap[num_weights][TILE_MAPS] (TENSOR_MAP_BYTES each): see TILE_MAP_SPAN
     Param("num_ctas", "i32"),  # grid size = number of task lists
     Param("watchdog_us", "i32"),  # debug builds: a wait longer than this aborts the step
 )
 
 # Tensor maps (TMA descriptors): a batched gemv's fill of ROW_MMA rows x a K chunk (k3mk/ir/streaming.py FillPlan.row_mma)
 # is ONE tensor copy per stream, not one bulk copy per row (within a warp bulk copies issue one at a time: BENCHMARKS.md
-# 2026-12-07). Weight w's map, where the manifest's `tensor_maps` lists w, is entry w of the `tensor_maps` buffer, encoded
-# by the runtime when the weight is bound (runtime/driver.py encode_tile_map); other entries are zeros. The map views
+# 2026-12-07). Where the manifest's `tensor_maps` lists weight w (its fills' rows and chunk), entry TILE_MAPS * w + h of
+# the `tensor_maps` buffer is its map for boxes of rows >> h rows: h = 1 for a task's last group of at most half the rows
+# (the tile pass cuts rows in multiples of 8: a 24-row task is a box of 16 rows and one of 8, not 32 rows read). The
+# runtime encodes them when the weight is bound (runtime/driver.py encode_tile_map); other entries are zeros. A map views
 # the weight [rows, K] as 3-D: TILE_MAP_SPAN elements (dim 0) x K / TILE_MAP_SPAN spans (dim 1) x rows (dim 2), and its
 # box, TILE_MAP_SPAN x chunk / TILE_MAP_SPAN x the fill's rows, lands row after row, each row's chunk contiguous (a
 # box dimension holds at most 256 elements: a chunk of 480 needs the span split). Past the weight's K or rows the box
@@ -50,6 +52,7 @@ PARAMS: tuple[Param, ...] = (
 TENSOR_MAP_BYTES = 128
 TENSOR_MAP_ALIGN = 64
 TILE_MAP_SPAN = 32
+TILE_MAPS = 2
 
 
 def tile_map(shape: tuple[int, ...], rows: int, chunk: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:

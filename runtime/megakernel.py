@@ -112,9 +112,11 @@ class Megakernel:
         self._comm_bound = self.comm is None
         pointers = len(self.weight_specs) + len(self.state_specs) + (self.comm["ranks"] if self.comm else 0)
         self.weight_table = torch.zeros(max(pointers, 1), dtype=torch.int64, device=dev)
-        # weight w's tensor map at byte w * TENSOR_MAP_BYTES where the manifest lists one (abi.tile_map), encoded at binding
+        # weight w's tensor maps at entries TILE_MAPS * w + h where the manifest lists w (abi.tile_map), encoded at binding
         self._tile_maps = {t["weight"]: (t["rows"], t["chunk"]) for t in m["tensor_maps"]}
-        self.tensor_maps = torch.zeros(max(len(self.weight_specs), 1) * abi.TENSOR_MAP_BYTES, dtype=torch.uint8, device=dev)
+        for w, (rows, chunk) in self._tile_maps.items():  # a geometry the driver would refuse, named before any binding
+            abi.tile_map(self.weight_specs[w][2], rows, chunk)
+        self.tensor_maps = torch.zeros(max(len(self.weight_specs), 1) * abi.TILE_MAPS * abi.TENSOR_MAP_BYTES, dtype=torch.uint8, device=dev)
         if self.tensor_maps.data_ptr() % abi.TENSOR_MAP_ALIGN:
             raise ArtifactError(f"the tensor-map buffer is not {abi.TENSOR_MAP_ALIGN}-byte aligned")
         self._states: dict[str, torch.Tensor] = {}
@@ -144,10 +146,12 @@ class Megakernel:
                 _check_mxfp4_scales(name, tensor)
             pointers[w] = tensor.data_ptr()
             if w in self._tile_maps:
-                with self.module.current():
-                    blob = encode_tile_map(tensor.data_ptr(), *abi.tile_map(shape, *self._tile_maps[w]))
-                at = w * abi.TENSOR_MAP_BYTES
-                maps[at : at + abi.TENSOR_MAP_BYTES] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+                rows, chunk = self._tile_maps[w]
+                for h in range(abi.TILE_MAPS):
+                    with self.module.current():
+                        blob = encode_tile_map(tensor.data_ptr(), *abi.tile_map(shape, max(1, rows >> h), chunk))
+                    at = (abi.TILE_MAPS * w + h) * abi.TENSOR_MAP_BYTES
+                    maps[at : at + abi.TENSOR_MAP_BYTES] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
             self._weights[name] = tensor
         self.weight_table.copy_(pointers)
         self.tensor_maps.copy_(maps)
