@@ -263,20 +263,6 @@ def test_row_mma_tensor_copies_land_where_the_consumers_read(params):
     assert half == (n % rows in range(1, rows // 2 + 1))
 
 
-def test_tensor_maps_are_acquired_a_task_ahead():
-    """A kernel with row-MMA gemvs loads its records two tasks ahead and acquires and prefetches the next task's tensor
-    maps (megakernel.py.j2 maps_ahead) before this task's fills; its copies do not acquire (a fence at the task's start
-    cost 0.6% on an H100). A kernel without them keeps loading each record when it reaches the task."""
-    rm = GemvParams(2304, 4096, 8, rmsnorm=True)
-    assert fill_plan("gemv", rm).row_mma
-    src = emit_source([OpVariant("gemv", rm)])
-    produce = src[src.index("def op0_gemv_produce("):src.index("def op0_gemv_run(")]
-    assert "def maps_ahead(" in src and "op0_gemv_maps(word, tensor_maps, lane)" in src and "maps_ahead(nxt, tensor_maps, lane)" in src
-    assert "ring_copy_tile(" in produce and "tensor_map_ahead(" not in produce and "fence_proxy_acquire" not in produce
-    plain = emit_source([OpVariant("gemv", GemvParams(2304, 4096, 1, rmsnorm=True))])
-    assert "def maps_ahead(" not in plain and "task[lane] = cute.arch.load((tasks + t * TASK_WORDS + lane).llvm_ptr, Int32)" in plain
-
-
 def mma_m16n8k16(a: list, b: list, c: list) -> list:
     """The PTX ISA's mma.m16n8k16 .bf16 (row.col) over per-lane fragments, lane 4g + t: A {a0a1, a2a3, a4a5, a6a7} =
     A[g][2t, 2t + 1], A[g + 8][2t..], A[g][2t + 8..], A[g + 8][2t + 8..]; B {b0b1, b2b3} = B[2t..][g], B[2t + 8..][g];
