@@ -36,7 +36,7 @@ from k3mk import __version__ as K3MK_VERSION
 from k3mk.codegen import artifact_dir
 from k3mk.codegen.artifact_dir import cutlass_dsl_version
 from k3mk.codegen.emit import dynamic_smem_bytes, emit_source
-from k3mk.codegen.ops import KernelConfig, kernel_batch, ring_layout, tile_maps
+from k3mk.codegen.ops import KernelConfig, kernel_batch, ring_layout
 from k3mk.ir import task_table as tt
 from k3mk.ir.task_table import RingModel, TaskTable
 from k3mk.runtime import abi, schema
@@ -210,7 +210,6 @@ def _manifest(table: TaskTable, encoded: bytes, arch: str, sm_count: int, config
         "arena_bytes": table.arena_bytes,
         "buffers": [asdict(b) for b in table.buffers],
         "weights": [asdict(w) for w in table.weights],
-        "tensor_maps": tile_maps(table, config),
         "states": [asdict(st) for st in table.states],
         **({"comm": {**asdict(table.comm), "nbytes": table.comm.nbytes}} if table.comm else {}),  # tp > 1
         "pointer_table": "weights then states: entry i < len(weights) is weights[i], else states[i - len(weights)]"

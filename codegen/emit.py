@@ -74,7 +74,7 @@ def emit_source(variants: list[OpVariant], config: KernelConfig = KernelConfig()
         _ENV.get_template(OP_CODEGEN[c.op].template).render(v=c, p=c.p, kc=config).rstrip() + "\n" for c in codes
     ]
     helpers = _ENV.get_template("helpers.py.j2").render(kc=config).rstrip() + "\n\n\n"
-    helpers += _ENV.get_template("ring.py.j2").render(kc=config, ring=ring, abi=abi).rstrip() + "\n"
+    helpers += _ENV.get_template("ring.py.j2").render(kc=config, ring=ring).rstrip() + "\n"
     return _ENV.get_template("megakernel.py.j2").render(
         kc=config,
         ring=ring,

@@ -5,7 +5,7 @@ the kernel's shared-memory map (the op smem, then the streaming ring: `ring_layo
 Every op template (codegen/templates/<op>.py.j2) renders, for one variant `v`:
   def {{ v.fn }}_run(task, arena, weights, smem, scratch, iscratch, tidx, warp, lane[, fill])   (always)
   def {{ v.fn }}_fills(task, smem) -> Int32                                (ops that stream: `v.plan`)
-  def {{ v.fn }}_produce(task, arena, weights, tensor_maps, smem, fill, ...) -> Int32   (ops with a producer half)
+  def {{ v.fn }}_produce(task, arena, weights, smem, fill, ...) -> Int32   (ops with a producer half)
 as `@cute.jit` functions. `_run` is the consumer half: the CTA's consumer warps run it after the
 task's waits; an op that streams reads its weights from the ring fills [fill, fill + _fills(task, smem))
 (a grouped expert_gated's count depends on the step's routing: its `_run` leaves it in its op smem).
@@ -37,7 +37,6 @@ from k3mk.ir.task_table import (
     KdaRecurrenceParams,
     OpVariant,
     RmsnormParams,
-    TaskTable,
 )
 
 VECTOR_ELEMENTS = 8  # bf16 per 16-byte load
@@ -249,27 +248,6 @@ def ring_layout(variants: list[OpVariant], config: KernelConfig = KernelConfig()
         slots -= 1
     _require(slots >= MIN_RING_SLOTS, f"the op smem ({op_bytes} B) leaves {slots} ring slots of {config.slot_bytes} B (< {MIN_RING_SLOTS})")
     return RingLayout(op_bytes, config.slot_bytes, slots, config.records, config.profile)
-
-
-def tile_maps(table: TaskTable, config: KernelConfig) -> list[dict]:
-    """The weights the kernel reads through tensor maps (ring.py.j2 ring_copy_tile: a row-MMA gemv's fills), each with
-    its fills' rows and chunk (the manifest's `tensor_maps`; k3mk/runtime/abi.py tile_map)."""
-    plans = [fill_plan(v.op, v.params, config.slot_bytes) for v in table.variants]
-    maps: dict[int, tuple[int, int]] = {}
-    for tasks in table.lists:
-        for t in tasks:
-            plan = plans[t.opcode]
-            if plan is None or not plan.row_mma:
-                continue
-            for st in plan.streams:
-                w = t.operands.get(st.operand, 0)  # zeros are not stored (ir/task_table.py Task)
-                spec = table.weights[w]
-                _require(spec.dtype == "bfloat16" and spec.shape[-1] == plan.in_features,
-                         f"gemv {table.variants[t.opcode].params}: weight '{spec.name}' {spec.dtype}{list(spec.shape)} is not bf16 [..., {plan.in_features}]")
-                seen = maps.setdefault(w, (plan.rows, plan.chunk))
-                _require(seen == (plan.rows, plan.chunk), f"weight '{spec.name}' is streamed in fills of {seen} and of {(plan.rows, plan.chunk)} "
-                                                         "(rows, chunk): one tensor map per weight")  # fmt: skip
-    return [{"weight": w, "rows": rows, "chunk": chunk} for w, (rows, chunk) in sorted(maps.items())]
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,9 @@ scales). A row group is adjacent rows of a row-major [out, in] matrix (or of one
 so each stream of a fill is ONE bulk copy of contiguous bytes, except where rows are the A rows of the consumer
 warp's m16n8k16 MMAs (`Stream.mma_rows`): an MXFP4 expert's code rows (at most MMA_ROWS over all code streams of a
 fill), copied in groups of up to MMA_COPY_ROWS rows placed 64 bytes apart in the banks, and a batched gemv's rows
-(ROW_MMA_ROWS over its streams, the requests the MMAs' columns, where its input is staged), cut into chunks of an
-odd number of spans and brought by ONE tensor copy per stream (a TMA box: k3mk/runtime/abi.py tile_map), each row's
-chunk 64 bytes apart mod 128 from the next; the diagonal form's batched rows cut into chunks (CHUNKED_ROWS) are
-copied one row per copy. A
+(ROW_MMA_ROWS over its streams, the requests the MMAs' columns, where its input is staged), cut into chunks and
+copied one row per copy, each row 64 bytes apart mod 128 from the next; the diagonal form's batched rows cut into
+chunks (CHUNKED_ROWS) are copied one row per copy too. A
 task's fills come in a fixed order, in rounds of at most `warps` units that belong to distinct consumer warps,
 each round chunk-major (`chunk_major`: chunk c of every unit of the round, then chunk c + 1), so that the few
 fills a ring holds are every warp's work, not all the chunks of one or two warps' rows:
@@ -75,10 +74,6 @@ ACCUMULATOR_BUDGET = 16  # rows x batch x gated streams of a fill (bf16: 2 fp32 
 # memory in every kernel (`gemv_stages_x`); elsewhere the batched gemv keeps the diagonal form's CHUNKED_ROWS fills.
 # Measured with one warp per group: reading x from the arena, a row MMA waits on L2 for every span (bench_chain4_b4
 # 780 vs 344 us, bench_gemv_b8 152 vs 124 us); at batch 2 the grid was 3-7% slower.
-# Its rows of a chunk are not adjacent in memory: one bulk copy per row took a producer lane 16 copies per fill, which
-# it issues one at a time (BENCHMARKS.md 2026-12-07), so a fill is ONE tensor copy per stream (abi.tile_map), which
-# needs K in whole spans (ROW_MMA_SPAN elements; other gemvs keep the diagonal form) and lays the rows out packed: a
-# chunk of an odd number of spans puts consecutive rows 64 bytes apart mod 128 (`_row_mma_chunking`).
 ROW_MMA_ROWS = 16
 ROW_MMA_MIN_BATCH = 4
 ROW_MMA_SPAN = 4 * 8
@@ -194,18 +189,15 @@ class FillPlan:
 
     @property
     def copy_rows(self) -> int:
-        """Rows per copy of an mma_rows stream: a batched gemv's fill of a stream is one tensor copy."""
-        return self.rows if self.row_mma else min(self.rows, MMA_COPY_ROWS)
+        """Rows per bulk copy of an mma_rows stream: a batched gemv's rows of a chunk are not adjacent."""
+        return 1 if self.row_mma else min(self.rows, MMA_COPY_ROWS)
 
     def copy_groups(self) -> int:
         return -(-self.rows // self.copy_rows)
 
     def group_pitch(self, st: Stream) -> int:
         """Slot bytes from one copy of an mma_rows stream to the next: its rows, padded to 64 mod 128 bytes so
-        that consecutive copies (of one stream or the next) fall 16 banks apart; a batched gemv's, packed (its
-        tensor copies land at multiples of 128 bytes, which they need)."""
-        if self.row_mma:
-            return self.rows * st.bytes(self.chunk)
+        that consecutive copies (of one stream or the next) fall 16 banks apart."""
         return _row_pitch(self.copy_rows * st.bytes(self.chunk))
 
     def row_offset(self, st: Stream, r: int) -> int:
@@ -227,10 +219,7 @@ class FillPlan:
 
     def fill_bytes(self, valid_rows: int, c: int) -> int:
         """Bytes the non-window streams of a fill of `valid_rows` rows (the last group may be short) x
-        chunk c bring (a window stream adds its window's length, known at run time); a batched gemv's tensor copies,
-        their whole box (zeros past the weight)."""
-        if self.row_mma:
-            return sum(self.rows * st.bytes(self.chunk) for st in self.streams)
+        chunk c bring (a window stream adds its window's length, known at run time)."""
         return sum(valid_rows * st.bytes(self.chunk_elements(c)) for st in self.streams if not st.window)
 
     @property
@@ -330,12 +319,11 @@ def _row_pitch(row_bytes: int) -> int:
 
 
 def _row_mma_chunking(k: int, rows: int, slot_bytes: int, what: str) -> tuple[int, int]:
-    """(chunk, chunks) of a batched gemv: the fewest chunks of an odd number of spans (ROW_MMA_SPAN: rows packed 64
-    bytes apart mod 128; the last chunk, or one longer than the row, reads zeros past it) whose `rows` rows fit a slot."""
+    """(chunk, chunks) of a batched gemv: the fewest equal chunks of whole spans (ROW_MMA_SPAN; a chunk of a
+    shorter row is the row) whose `rows` rows, at their pitch, fit a slot."""
     for chunks in range(1, -(-k // ROW_MMA_SPAN) + 1):
-        spans = -(-k // (chunks * ROW_MMA_SPAN))
-        chunk = (spans + 1 - spans % 2) * ROW_MMA_SPAN
-        if rows * chunk * 2 <= slot_bytes:
+        chunk = min(k, -(-k // (chunks * ROW_MMA_SPAN)) * ROW_MMA_SPAN)
+        if rows * _row_pitch(chunk * 2) <= slot_bytes:
             return chunk, -(-k // chunk)
     raise StreamingError(f"{what}: a {slot_bytes}-byte slot holds no {rows} rows of {ROW_MMA_SPAN} elements")
 
@@ -348,9 +336,8 @@ def gemv_stages_x(params: Any) -> bool:
 
 
 def gemv_row_mma(params: Any) -> bool:
-    """Whether a gemv runs on row MMAs (ROW_MMA_ROWS): from ROW_MMA_MIN_BATCH requests, its input staged, its rows
-    whole spans (its fills' tensor maps)."""
-    return params.batch >= ROW_MMA_MIN_BATCH and gemv_stages_x(params) and params.in_features % ROW_MMA_SPAN == 0
+    """Whether a gemv runs on row MMAs (ROW_MMA_ROWS): from ROW_MMA_MIN_BATCH requests, its input staged."""
+    return params.batch >= ROW_MMA_MIN_BATCH and gemv_stages_x(params)
 
 
 def gemv_gated(params: Any) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ABI_VERSION = 2  # 2: the tensor_maps parameter
+ABI_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class Param:
         return {"name": self.name, "kind": self.kind, "dtype": self.dtype, "align": self.align}
 
 
-# Order = the kernel's parameter order (.param 0..9 in the PTX).
+# Order = the kernel's parameter order (.param 0..8 in the PTX).
 PARAMS: tuple[Param, ...] = (
     Param("lists", "ptr", "int32", 4),  # task table device part + 4 * lists_offset
     Param("tasks", "ptr", "int32", 16),  # task table device part + 4 * tasks_offset
@@ -34,39 +34,9 @@ PARAMS: tuple[Param, ...] = (
     Param("arena", "ptr", "uint8", 16),  # activation arena
     Param("weights", "ptr", "int64", 8),  # int64[num_weights]: device pointers
     Param("debug", "ptr", "int64", 8),  # int64[num_ctas * DEBUG_WORDS] watchdog records
-    Param("tensor_maps", "ptr", "uint8", 64),  # CUtensorMap[num_weights][TILE_MAPS] (TENSOR_MAP_BYTES each): see TILE_MAP_SPAN
     Param("num_ctas", "i32"),  # grid size = number of task lists
     Param("watchdog_us", "i32"),  # debug builds: a wait longer than this aborts the step
 )
-
-# Tensor maps (TMA descriptors): a batched gemv's fill of ROW_MMA rows x a K chunk (k3mk/ir/streaming.py FillPlan.row_mma)
-# is ONE tensor copy per stream, not one bulk copy per row (within a warp bulk copies issue one at a time: BENCHMARKS.md
-# 2026-12-07). Where the manifest's `tensor_maps` lists weight w (its fills' rows and chunk), entry TILE_MAPS * w + h of
-# the `tensor_maps` buffer is its map for boxes of rows >> h rows: h = 1 for a task's last group of at most half the rows
-# (the tile pass cuts rows in multiples of 8: a 24-row task is a box of 16 rows and one of 8, not 32 rows read). The
-# runtime encodes them when the weight is bound (runtime/driver.py encode_tile_map); other entries are zeros. A map views
-# the weight [rows, K] as 3-D: TILE_MAP_SPAN elements (dim 0) x K / TILE_MAP_SPAN spans (dim 1) x rows (dim 2), and its
-# box, TILE_MAP_SPAN x chunk / TILE_MAP_SPAN x the fill's rows, lands row after row, each row's chunk contiguous (a
-# box dimension holds at most 256 elements: a chunk of 480 needs the span split). Past the weight's K or rows the box
-# reads zeros, and the copy's bytes are always the whole box's.
-TENSOR_MAP_BYTES = 128
-TENSOR_MAP_ALIGN = 64
-TILE_MAP_SPAN = 32
-TILE_MAPS = 2
-
-
-def tile_map(shape: tuple[int, ...], rows: int, chunk: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """(dims, byte strides of dims 1.., box) of the tensor map of a bf16 weight of `shape` ([..., K]: its rows are all
-    the leading dimensions) for fills of `rows` rows x `chunk` elements (a multiple of TILE_MAP_SPAN, as K)."""
-    k = shape[-1]
-    total = 1
-    for s in shape[:-1]:
-        total *= s
-    if k % TILE_MAP_SPAN or chunk % TILE_MAP_SPAN or not 0 < chunk // TILE_MAP_SPAN <= 256 or not 0 < rows <= 256:
-        raise ValueError(f"no tensor map for a weight {list(shape)} in fills of {rows} rows x {chunk} elements: K and the chunk "
-                         f"must be multiples of {TILE_MAP_SPAN}, at most 256 spans and 256 rows")
-    return (TILE_MAP_SPAN, k // TILE_MAP_SPAN, total), (TILE_MAP_SPAN * 2, k * 2), (TILE_MAP_SPAN, chunk // TILE_MAP_SPAN, rows)
-
 
 CONTROL_WORDS = 8
 C_EPOCH = 0  # completed steps; the kernel runs step C_EPOCH + 1

@@ -75,18 +75,6 @@ class Module:
             driver.cuDevicePrimaryCtxRelease(self.device)
 
 
-def encode_tile_map(address: int, dims: tuple[int, ...], strides: tuple[int, ...], box: tuple[int, ...]) -> bytes:
-    """The 128-byte tensor map (TMA descriptor) of a bf16 tensor at `address` (k3mk/runtime/abi.py tile_map): no
-    swizzle, zeros past the tensor, L2 filled 256 bytes at a time (the copies are 64-byte pieces of consecutive rows)."""
-    t = driver
-    u64, u32 = t.cuuint64_t, t.cuuint32_t
-    tensor_map = check(t.cuTensorMapEncodeTiled(
-        t.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, len(dims), address, [u64(d) for d in dims], [u64(s) for s in strides],
-        [u32(b) for b in box], [u32(1)] * len(dims), t.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, t.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
-        t.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B, t.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
-    return b"".join(int(w).to_bytes(8, "little") for w in tensor_map.opaque)
-
-
 class PackedParams:
     """Kernel parameters packed once (ctypes values + the void*[] the driver reads)."""
 

@@ -21,7 +21,7 @@ from typing import Mapping
 import torch
 
 from k3mk.runtime import abi
-from k3mk.runtime.driver import Module, PackedParams, encode_tile_map, launch_cooperative
+from k3mk.runtime.driver import Module, PackedParams, launch_cooperative
 from k3mk.runtime.manifest import ArtifactError, Manifest, check_device, load_manifest
 from k3mk.runtime.schema import DTYPE_BYTES
 from k3mk.runtime.table import LoadedTable, TaskTableFormatError, read_table
@@ -112,13 +112,6 @@ class Megakernel:
         self._comm_bound = self.comm is None
         pointers = len(self.weight_specs) + len(self.state_specs) + (self.comm["ranks"] if self.comm else 0)
         self.weight_table = torch.zeros(max(pointers, 1), dtype=torch.int64, device=dev)
-        # weight w's tensor maps at entries TILE_MAPS * w + h where the manifest lists w (abi.tile_map), encoded at binding
-        self._tile_maps = {t["weight"]: (t["rows"], t["chunk"]) for t in m["tensor_maps"]}
-        for w, (rows, chunk) in self._tile_maps.items():  # a geometry the driver would refuse, named before any binding
-            abi.tile_map(self.weight_specs[w][2], rows, chunk)
-        self.tensor_maps = torch.zeros(max(len(self.weight_specs), 1) * abi.TILE_MAPS * abi.TENSOR_MAP_BYTES, dtype=torch.uint8, device=dev)
-        if self.tensor_maps.data_ptr() % abi.TENSOR_MAP_ALIGN:
-            raise ArtifactError(f"the tensor-map buffer is not {abi.TENSOR_MAP_ALIGN}-byte aligned")
         self._states: dict[str, torch.Tensor] = {}
         self._weights: dict[str, torch.Tensor] = {}
         self._buffers = {b["name"]: b for b in m["buffers"]}
@@ -134,27 +127,17 @@ class Megakernel:
         if unknown:
             raise KeyError(f"weights not in this artifact: {sorted(unknown)}")
         pointers = self.weight_table.cpu()
-        maps = self.tensor_maps.cpu()
         for name, tensor in weights.items():
-            w = index[name]
-            _, dtype, shape = self.weight_specs[w]
+            _, dtype, shape = self.weight_specs[index[name]]
             if tensor.dtype != DTYPES[dtype] or tuple(tensor.shape) != shape:
                 raise ValueError(f"weight {name!r}: expected {dtype}{list(shape)}, got {tensor.dtype}{list(tensor.shape)}")
             if tensor.device != self.device or not tensor.is_contiguous() or tensor.data_ptr() % 16:
                 raise ValueError(f"weight {name!r} must be contiguous, 16-byte aligned, on {self.device}")
             if name.endswith(abi.MXFP4_SCALE_SUFFIX) and tensor.numel():
                 _check_mxfp4_scales(name, tensor)
-            pointers[w] = tensor.data_ptr()
-            if w in self._tile_maps:
-                rows, chunk = self._tile_maps[w]
-                for h in range(abi.TILE_MAPS):
-                    with self.module.current():
-                        blob = encode_tile_map(tensor.data_ptr(), *abi.tile_map(shape, max(1, rows >> h), chunk))
-                    at = (abi.TILE_MAPS * w + h) * abi.TENSOR_MAP_BYTES
-                    maps[at : at + abi.TENSOR_MAP_BYTES] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+            pointers[index[name]] = tensor.data_ptr()
             self._weights[name] = tensor
         self.weight_table.copy_(pointers)
-        self.tensor_maps.copy_(maps)
 
     def bind_states(self, states: Mapping[str, torch.Tensor]) -> None:
         """Bind decode state by name (pointer-table entries after the weights), checked like weights.
@@ -220,7 +203,6 @@ class Megakernel:
                 "arena": self.arena.data_ptr(),
                 "weights": self.weight_table.data_ptr(),
                 "debug": self.debug_records.data_ptr(),
-                "tensor_maps": self.tensor_maps.data_ptr(),
                 "num_ctas": self.num_ctas,
                 "watchdog_us": watchdog_us,
             }

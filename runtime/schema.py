@@ -199,8 +199,6 @@ BUILD_FIELDS: dict[str, Check] = {
     "arena_bytes": integer(0),
     "buffers": array(record({"name": string(), "offset": integer(0), "dtype": _dtype, "shape": _shape, "role": string(*BUFFER_ROLES)})),
     "weights": array(record({"name": string(), "dtype": _dtype, "shape": _shape})),
-    # weights read through tensor maps (k3mk/runtime/abi.py tile_map): the weight's index, its fills' rows and chunk
-    "tensor_maps": array(record({"weight": integer(0), "rows": integer(1), "chunk": integer(1)})),
     "states": array(record({"name": string(), "dtype": _dtype, "shape": _shape, "layout": string()})),
     "pointer_table": string(),
     "variants": array(record({"op": string(), "params": mapping(_any)})),  # the op records: k3mk.ir.task_table
@@ -242,7 +240,6 @@ def validate(data: Any) -> None:
     _check_target(data)
     _check_files(data)
     _check_buffers(data)
-    _check_tensor_maps(data)
 
 
 def _check_groups(data: dict) -> None:
@@ -290,19 +287,6 @@ def _check_buffers(data: dict) -> None:
         end = b["offset"] + math.prod(b["shape"]) * DTYPE_BYTES[b["dtype"]]
         if end > data["arena_bytes"]:
             raise ArtifactError(f"field 'buffers': '{b['name']}' ends at byte {end}, beyond arena_bytes {data['arena_bytes']}")
-
-
-def _check_tensor_maps(data: dict) -> None:
-    weights, seen = data["weights"], set()
-    for t in data["tensor_maps"]:
-        w = t["weight"]
-        if w in seen:
-            raise ArtifactError(f"field 'tensor_maps': weight {w} is listed twice")
-        if w >= len(weights):
-            raise ArtifactError(f"field 'tensor_maps': weight {w} is not among the {len(weights)} weights")
-        seen.add(w)
-        if weights[w]["dtype"] != "bfloat16":
-            raise ArtifactError(f"field 'tensor_maps': weight {w} '{weights[w]['name']}' is {weights[w]['dtype']}, expected bfloat16")
 
 
 def file_sha256(path: Path) -> str:

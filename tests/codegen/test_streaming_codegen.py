@@ -16,7 +16,6 @@ import torch
 from k3mk.codegen.emit import emit_source
 from k3mk.codegen.ops import MIN_RING_SLOTS, OP_SMEM_LIMIT, CodegenError, KernelConfig, ring_layout, router_select_spread
 from k3mk.ir.streaming import LANE_ORDER_ELEMENTS, MMA_ROWS, MXFP4_CHUNK_ELEMENTS, MXFP4_SPAN, VECTOR_BYTES, StreamingError, chunk_major, fill_plan, mma_code_row
-from k3mk.runtime import abi
 from k3mk.ir.task_table import ExpertCombineParams, ExpertGatedParams, GemvParams, MlaDecodeParams, NopParams, OpVariant
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
@@ -151,12 +150,10 @@ def test_chunk_major_order():
 
 
 def test_batched_gemvs_stream_16_mma_rows_of_a_chunk():
-    """From batch 4 a gemv whose input is staged (ir/streaming.py gemv_stages_x) and whose K is whole 32-element spans
-    streams 16 MMA A rows (8 rows' gate and up) x one K chunk of an odd number of spans per fill (one tensor copy per
-    stream, the rows packed, so 64 bytes apart mod 128), the fewest chunks that fit the slot; a chunk may reach past K
-    (the copy reads zeros there). One that reads x from the arena, of 2 requests, or of a K not in whole spans keeps the
-    diagonal form: 4 rows (2 gated at batch 4: the accumulator budget) of one K chunk when its slot holds fewer whole
-    rows; batch 1 keeps whole rows."""
+    """From batch 4 a gemv whose input is staged (ir/streaming.py gemv_stages_x) streams 16 MMA A rows (8 rows' gate and
+    up) x one K chunk of whole 32-element spans per fill, the fewest equal chunks whose rows, 64 bytes apart mod 128,
+    fit the slot. One that reads x from the arena, or of 2 requests, keeps the diagonal form: 4 rows (2 gated at batch 4: the
+    accumulator budget) of one K chunk when its slot holds fewer whole rows; batch 1 keeps whole rows."""
     def geometry(params):
         plan = fill_plan("gemv", params, 16 * 1024)
         return plan.rows, plan.chunk, plan.chunks, plan.row_offset(plan.streams[0], 1) if plan.row_mma else None
@@ -166,11 +163,8 @@ def test_batched_gemvs_stream_16_mma_rows_of_a_chunk():
     assert geometry(GemvParams(7168, 2048, 4, epilogue="situ_mul")) == (8, 480, 15, 960)
     assert geometry(GemvParams(2304, 4096, 8)) == (16, 480, 5, 960)
     assert geometry(GemvParams(2304, 4096, 2)) == (3, 2304, 1, None)  # batch 2: the diagonal form (ROW_MMA_MIN_BATCH)
-    assert geometry(GemvParams(288, 100, 16)) == (16, 288, 1, 576)  # one chunk: the row (9 spans)
-    assert geometry(GemvParams(256, 100, 16)) == (16, 288, 1, 576)  # 8 spans: one more, of zeros
-    assert geometry(GemvParams(1024, 257, 4)) == (16, 352, 3, 704)  # 2 x 16 spans: 2 x 17 would not fit; 3 x 11
-    assert geometry(GemvParams(1032, 257, 4)) == (4, 1032, 1, None)  # K not whole spans: the diagonal form
-    assert geometry(GemvParams(264, 100, 16)) == (1, 264, 1, None)
+    assert geometry(GemvParams(264, 100, 16)) == (16, 264, 1, 576)  # one chunk: the row, padded to 64 mod 128
+    assert geometry(GemvParams(1032, 257, 4)) == (16, 352, 3, 704)
     assert geometry(GemvParams(7168, 2048, 8, rmsnorm=True, epilogue="situ_mul")) == (8, 480, 15, 960)  # staged: normed
     # a non-gated task of one group spreads its chunks over the warps (partial sums meet in smem:
     # gemv.py.j2); of more groups, a group is one warp's, the fills chunk-major within a round of groups
@@ -222,45 +216,6 @@ def test_row_mma_fills_are_conflict_free_and_chunk_independent(params):
     if params.in_features % 32 == 0 or plan.chunks == 1:
         assert [v for t in range(4) for v in by_chunks[t]] == whole
     assert plan.chunks == 1 or plan.chunk % 32 == 0
-
-
-@pytest.mark.parametrize("params", [GemvParams(1024, 40, 8), GemvParams(2304, 45, 4, rmsnorm=True, epilogue="situ_mul"), GemvParams(256, 100, 16),
-                                    GemvParams(2304, 20, 4, rmsnorm=True, epilogue="situ_mul")])
-def test_row_mma_tensor_copies_land_where_the_consumers_read(params):
-    """A row-MMA fill is one tensor copy per stream of a box k3mk/runtime/abi.py tile_map gives the runtime's maps: of
-    the fill's rows, or (the task's last group holding at most half of them: gemv.py.j2 `half`) of half the rows.
-    Emulated here as the PTX ISA defines a tile-mode copy (dimension 0 fastest into shared memory, zeros at coordinates
-    past the tensor), at the coordinates the template issues (0, chunk c's first span, group g's first row), for a task
-    of all the weight's rows: every row r's vector v of chunk c lands at FillPlan.row_offset(r) + 16 v, zeros past K
-    and past the weight's rows, the copy brings fill_bytes >> h, and no row past the weight is read."""
-    plan = fill_plan("gemv", params, 16 * 1024)
-    assert plan.row_mma
-    n, k, rows = params.out_features, params.in_features, plan.rows
-    weight = torch.arange(1, n * k + 1, dtype=torch.int64)  # distinct nonzero ids, row-major [n, k]
-    st = plan.streams[0]
-    groups = plan.groups(n)
-    half = n - (groups - 1) * rows <= rows // 2
-    for c in range(plan.chunks):
-        for g in range(groups):
-            h = 1 if half and g == groups - 1 else 0
-            dims, strides, box = abi.tile_map((n, k), rows >> h, plan.chunk)
-            assert box[1] * box[0] == plan.chunk and box[2] == rows >> h
-            origin = (0, c * plan.chunk // abi.TILE_MAP_SPAN, g * rows)
-            landed = []
-            for i2 in range(box[2]):
-                for i1 in range(box[1]):
-                    for i0 in range(box[0]):
-                        at = (origin[0] + i0, origin[1] + i1, origin[2] + i2)
-                        inside = all(a < d for a, d in zip(at, dims))
-                        landed.append(int(weight[at[0] + at[1] * strides[0] // 2 + at[2] * strides[1] // 2]) if inside else 0)
-            assert len(landed) * 2 * len(plan.streams) == plan.fill_bytes(rows, c) >> h
-            for r in range(rows >> h):
-                for v in range(plan.chunk // 8):
-                    at = plan.row_offset(st, r) // 2 + 8 * v
-                    row, col = g * rows + r, c * plan.chunk + 8 * v
-                    want = [row * k + col + e + 1 if row < n and col + e < k else 0 for e in range(8)]
-                    assert landed[at : at + 8] == want, (c, g, r, v)
-    assert half == (n % rows in range(1, rows // 2 + 1))
 
 
 def mma_m16n8k16(a: list, b: list, c: list) -> list:

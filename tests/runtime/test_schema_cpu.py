@@ -88,18 +88,6 @@ def test_nested_records_are_checked(art):
     refused(art, "field 'buffers'", "beyond arena_bytes")
 
 
-def test_tensor_maps_name_bf16_weights_once(art):
-    """The diamond's batch-4 gemvs stream on row MMAs: their weights are read through tensor maps (abi.tile_map)."""
-    maps = json.loads((art / "manifest.json").read_text())["tensor_maps"]
-    assert maps and all(t["rows"] == 16 and t["chunk"] == 352 for t in maps)
-    edit_manifest(art, lambda m: m["tensor_maps"].append(dict(m["tensor_maps"][0])))
-    refused(art, "field 'tensor_maps'", f"weight {maps[0]['weight']} is listed twice")
-    edit_manifest(art, lambda m: m["tensor_maps"].pop() and m["tensor_maps"][0].update(weight=len(m["weights"])))
-    refused(art, "field 'tensor_maps'", "is not among the")
-    edit_manifest(art, lambda m: m["tensor_maps"][0].update(weight=maps[0]["weight"]) or m["weights"][maps[0]["weight"]].update(dtype="float32"))
-    refused(art, "field 'tensor_maps'", "is float32, expected bfloat16")
-
-
 @pytest.mark.parametrize(
     "change, fragments",
     [
