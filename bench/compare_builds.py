@@ -11,9 +11,10 @@ timing of the attention's length, not of its values); the logits of every step a
 with the first build's (builds that differ only in how weights reach the SM, like ring and slot sizes, run
 the same arithmetic in the same order). With K3MK_REFERENCE, the first build's tokens and logits go to FILE, or where
 FILE exists they are the reference every build is compared with: builds of another runtime (an older commit's kernel
-ABI) run in their own process, `PYTHONPATH` naming that commit's k3mk, against the same steps. Then the step time: bench/timeline.py's step_time_us (the mean of
-50 eager steps after 3 untimed, each request its own token: the greedy tokens of random weights converge,
-and requests that all route alike would time the best case of the routed experts' grouping by expert).
+ABI) run in their own process, `PYTHONPATH` naming that commit's k3mk, against the same steps. Then the step time:
+bench/timeline.py's step_time_us (the mean of 50 eager steps after 3 untimed, each request its own token: the greedy
+tokens of random weights converge, and requests that all route alike would time the best case of the routed experts'
+grouping by expert).
 """
 
 from __future__ import annotations

@@ -215,7 +215,7 @@ def kda_cases() -> list:
         kda_conv_case("kda_conv_b1", 1, 640, 128, ctas=3),
         kda_conv_case("kda_conv_b4", 4, 200, 64, ctas=2),
         gated_case("gated_situ_b16", 16, 1032, 97, tiles=3, ctas=3, situ=True, norm=True),
-        # gated row MMAs on tensor copies (8 rows' gate and up per fill), groups past their tile, a last chunk past K
+        # gated row MMAs (8 rows' gate and up per fill) at b16 / b8: tiles whose last group is short; b8 a shorter last chunk
         gated_case("gated_situ_b16_rm", 16, 1056, 97, tiles=3, ctas=3, situ=True, norm=True),
         gated_case("gated_silu_b8_rm", 8, 2304, 45, tiles=2, ctas=2, situ=False, norm=True),
         kda_conv_case("kda_conv_b16", 16, 200, 64, ctas=2),

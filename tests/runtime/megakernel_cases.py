@@ -210,8 +210,8 @@ def all_cases() -> dict[str, Case]:
         # 4 rows x 4 chunks of 1792 per fill (ir/streaming.py fill_plan at batch > 1), short last groups
         gemv_case("gemv_b4_norm_chunked", 4, 7168, 70, tiles=3, ctas=2, norm=True, residual=True),
         gemv_case("gemv_b16_norm", 16, 264, 100, tiles=3, ctas=3, norm=True, residual=False),
-        # row MMAs on tensor copies (ir/streaming.py ROW_MMA_ROWS): tiles of 43 rows (a group's rows past its tile are
-        # the next tile's, past the weight zeros), a last chunk past K; b16: two n-tiles
+        # row MMAs (ir/streaming.py ROW_MMA_ROWS) at b8 / b16 (two n-tiles): tiles of 43 / 34 rows, so a task's last group
+        # of 16 is short; b8 a shorter last chunk (2304 = 4 x 480 + 384)
         gemv_case("gemv_b8_norm_tiles", 8, 2304, 300, tiles=7, ctas=3, norm=True, residual=True),
         gemv_case("gemv_b16_norm_tiles", 16, 1056, 100, tiles=3, ctas=3, norm=True, residual=False),
         rmsnorm_case(),
