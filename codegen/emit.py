@@ -33,10 +33,6 @@ from k3mk.runtime import abi
 
 TEMPLATES = Path(__file__).parent / "templates"
 SCRATCH_BYTES = 1024  # the fp32 / int32 reduction scratch beside the op smem, with alignment slack
-# The L2 look-ahead's bounds: a few tasks ahead, and per SM at most 512 KB in flight (x 132 SMs = 69 MB, more than
-# the 50 MB L2: past that, prefetched lines would evict each other before their fills)
-MAX_L2_AHEAD_TASKS = 8
-MAX_L2_AHEAD_BYTES = 512 * 1024
 BLOCK_SUMS = 8  # CTA-wide sums one reduction round may carry (fp32 scratch of BLOCK_SUMS x warps: 256 B)
 
 
@@ -71,10 +67,6 @@ def emit_source(variants: list[OpVariant], config: KernelConfig = KernelConfig()
     if not variants:
         raise ValueError("a kernel needs at least one op variant")
     config = config.for_batch(kernel_batch(variants))
-    if not 0 <= config.l2_ahead_tasks <= MAX_L2_AHEAD_TASKS:
-        raise ValueError(f"l2_ahead_tasks {config.l2_ahead_tasks} outside [0, {MAX_L2_AHEAD_TASKS}]")
-    if config.l2_ahead_tasks and not (config.l2_ahead_task_bytes >= 16 and config.l2_ahead_bytes <= MAX_L2_AHEAD_BYTES):
-        raise ValueError(f"l2_ahead_bytes {config.l2_ahead_bytes} must lie in [16 x l2_ahead_tasks, {MAX_L2_AHEAD_BYTES}]")
     x_limit = x_staging_limit(variants)
     codes: list[VariantCode] = [variant_code(i, v, config, x_limit) for i, v in enumerate(variants)]
     ring = ring_layout(variants, config)

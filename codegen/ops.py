@@ -80,13 +80,6 @@ class KernelConfig:
     # registers per thread of the support warpgroup after `setmaxnreg` (a multiple of 8 from 24; 0: by the kernel's
     # batch, `for_batch`): the producer's expert tables want ~150 to run without spills, the consumers' bodies ~200
     support_registers: int = 0
-    # The producer's L2 look-ahead: as it takes task t, it prefetches into L2 the weights of task t + l2_ahead_tasks
-    # (ops with static weight addresses: gemv), up to l2_ahead_bytes / l2_ahead_tasks bytes of each, so HBM keeps
-    # streaming what comes next while a full ring waits for its consumers (0: off). The prefetches are L2 evict-first,
-    # like the fills: at normal priority (2026-12-03 night) they pushed the KDA state, the conv state and the code out
-    # of L2 and every cell ran 1-11% slower
-    l2_ahead_tasks: int = 0
-    l2_ahead_bytes: int = 256 * 1024
 
     def __post_init__(self):
         if self.threads % 128 or not 128 <= self.threads <= 1024 - 32 * WARPGROUP:
@@ -113,11 +106,6 @@ class KernelConfig:
             support_registers=self.support_registers or (WIDE_SUPPORT_REGISTERS if wide else self.launch_registers),
             gemv_unroll=self.gemv_unroll or (2 if wide else 0),
         )
-
-    @property
-    def l2_ahead_task_bytes(self) -> int:
-        """The look-ahead's prefetch cap per task (a multiple of 16 bytes)."""
-        return self.l2_ahead_bytes // max(1, self.l2_ahead_tasks) // 16 * 16
 
     @property
     def warps(self) -> int:
@@ -158,7 +146,7 @@ class KernelConfig:
         return min(256, free // self.threads // 8 * 8)
 
 
-KERNEL_TUNING = ("slot_bytes", "ring_bytes", "records", "gemv_unroll", "mxfp4_unroll", "support_registers", "l2_ahead_tasks", "l2_ahead_bytes")  # `k3mk compile --kernel-option` knobs
+KERNEL_TUNING = ("slot_bytes", "ring_bytes", "records", "gemv_unroll", "mxfp4_unroll", "support_registers")  # `k3mk compile --kernel-option` knobs
 
 
 @dataclass(frozen=True)
@@ -168,7 +156,6 @@ class OpCodegen:
     check: Callable[[object], None]
     produce: bool = False  # a producer half beyond the streamed fills (kda_recurrence: L2 prefetch of its state)
     sync: bool = False  # the op waits inside its body (module docstring)
-    ahead: bool = False  # an `_ahead` half: the producer's L2 look-ahead of a later task's weights (KernelConfig)
 
 
 @dataclass(frozen=True)
@@ -277,7 +264,6 @@ class VariantCode:
     tuning: object = None
     plan: FillPlan | None = None
     sync: bool = False
-    ahead: bool = False  # the template has a look-ahead half (`_ahead`)
 
     @property
     def stream(self) -> bool:
@@ -437,7 +423,7 @@ def _none(p: object) -> int:
 
 OP_CODEGEN: dict[str, OpCodegen] = {
     "nop": OpCodegen("nop.py.j2", _none, lambda p: None),
-    "gemv": OpCodegen("gemv.py.j2", _gemv_op_smem, _check_gemv, ahead=True),
+    "gemv": OpCodegen("gemv.py.j2", _gemv_op_smem, _check_gemv),
     "rmsnorm": OpCodegen("rmsnorm.py.j2", _none, _check_rmsnorm),
     "embedding": OpCodegen("embedding.py.j2", _none, _check_embedding),
     "argmax": OpCodegen("argmax.py.j2", _none, _check_argmax),
@@ -470,8 +456,7 @@ def variant_code(index: int, variant: OpVariant, config: KernelConfig, x_limit: 
         raise CodegenError(f"gemv {variant.params}: a batch-1 router's top-k is laid out for {SELECT_WARPS} consumer warps, not {config.warps}")
     if plan is not None and plan.split and config.warps > PARTIAL_WARPS:  # _gemv_op_smem sized the partials for PARTIAL_WARPS
         raise CodegenError(f"gemv {variant.params}: a split row-MMA plan needs at most {PARTIAL_WARPS} consumer warps, not {config.warps}")
-    return VariantCode(index, variant.op, variant.params, f"op{index}_{variant.op}", gen.produce or plan is not None, tuning, plan, gen.sync,
-                       gen.ahead and config.l2_ahead_tasks > 0)
+    return VariantCode(index, variant.op, variant.params, f"op{index}_{variant.op}", gen.produce or plan is not None, tuning, plan, gen.sync)
 
 
 def _op_smem(variant: OpVariant, x_limit: int = X_SMEM_BUDGET) -> int:

@@ -457,36 +457,6 @@ def test_ring_words_fit_the_layout(tmp_path, debug, profile):
     assert end <= ring.total == mod.SMEM_BYTES
 
 
-def test_l2_look_ahead_prefetches_the_rows_of_the_task_ahead():
-    """KernelConfig.l2_ahead_tasks = D: the producer loads task t + D's record word beside task t's and hands it to
-    the look-ahead of the variants whose weights do not depend on the step (gemv; the routed experts' do); a gemv's
-    `_ahead` prefetches that task's rows from row_begin on, up to the per-task cap (split over weight and weight_up
-    when gated), evict-first in L2 like the fills. Off (the default), the source has none of it; out-of-range knobs
-    are refused."""
-    from k3mk.codegen.ops import variant_code
-
-    variants = [OpVariant("gemv", GemvParams(2304, 4096, 1, rmsnorm=True)),
-                OpVariant("expert_gated", ExpertGatedParams(2304, 1024, 256, 1, 8)),
-                OpVariant("gemv", GemvParams(2304, 9216, 1, rmsnorm=True, epilogue="silu_mul"))]  # fmt: skip
-    assert "_ahead" not in emit_source(variants)
-    config = KernelConfig(l2_ahead_tasks=2, l2_ahead_bytes=256 * 1024)
-    source = emit_source(variants, config)
-    producer = source[source.index("def producer("):source.index("def waiter(")]
-    assert "(tasks + (t + 2) * TASK_WORDS + lane)" in producer
-    assert re.findall(r"if ahead_opcode == (\d+):", producer) == ["0", "2"]
-    for index, per_stream, streams in ((0, 128 * 1024, ("weight",)), (2, 64 * 1024, ("weight", "weight_up"))):
-        code = variant_code(index, variants[index], config)
-        ahead = source[source.index(f"def {code.fn}_ahead("):source.index(f"def {code.fn}_run(")]
-        assert f"shuffle_sync(record, {code.operand('row_count')}) * {2304 * 2}, {per_stream})" in ahead
-        starts = re.findall(r"l2_prefetch\(weight_base\(weights, cute.arch.shuffle_sync\(record, (\d+)\)\), Int64\(row_begin\) \* (\d+), nbytes, lane, True\)", ahead)
-        assert starts == [(str(code.operand(s)), str(2304 * 2)) for s in streams]
-        assert f"row_begin = cute.arch.shuffle_sync(record, {code.operand('row_begin')})" in ahead
-    for bad in (KernelConfig(l2_ahead_tasks=9), KernelConfig(l2_ahead_tasks=1, l2_ahead_bytes=1 << 20),
-                KernelConfig(l2_ahead_tasks=4, l2_ahead_bytes=32)):  # fmt: skip
-        with pytest.raises(ValueError, match="l2_ahead"):
-            emit_source(variants, bad)
-
-
 @pytest.mark.parametrize("batch, width, channels, begin, count", [(1, 4, 4096, 384, 128), (4, 4, 200, 40, 160), (3, 2, 64, 0, 64)])
 def test_kda_conv_producer_prefetches_what_the_body_reads(batch, width, channels, begin, count):
     """kda_conv's producer half brings into L2 exactly the state bytes the task's body reads and rewrites
