@@ -125,7 +125,7 @@ def test_kda_ops_compile_sm90a(cache):
     assert "cp.async.bulk.prefetch.L2.global" in ptx  # the producer's prefetch of the recurrence's state
     assert "sqrt.rn.f32" in ptx  # the q/k L2 norms: x / sqrt(sum x^2 + 1e-6)
     assert ptx.count("st.global.cs.v4") >= 16  # 16 state rows per warp, 16-byte streaming stores (L2 evict-first)
-    assert ptx.count("st.global.v4") >= 3 * (1 + 3)  # the conv's q, k, v outputs and their 3 shifted state rows each
+    assert ptx.count("st.global.v4") >= 1 + 3  # the conv's output and its 3 shifted state rows: one copy for q, k and v
     assert ptx.count("shfl.sync.bfly") >= 2 * 16 * 5  # two butterflies per state row
     assert info["registers"] <= 255
 
