@@ -39,6 +39,7 @@ GEMV_EPILOGUES = [
 ]
 KDA_OPS = [
     OpVariant("kda_conv", KdaConvParams(640, 2)),
+    OpVariant("kda_conv", KdaConvParams(640, 1)),
     OpVariant("kda_recurrence", KdaRecurrenceParams(5, 128, 2)),
     OpVariant("attn_res", AttnResParams(1048, 2, 9)),
 ]
@@ -119,13 +120,14 @@ def test_gemv_epilogues_compile_sm90a(cache):
 
 
 def test_kda_ops_compile_sm90a(cache):
-    """kda_conv, kda_recurrence and attn_res in one kernel."""
+    """kda_conv (batch 2 and batch 1), kda_recurrence and attn_res in one kernel."""
     ptx, info = _compile(KDA_OPS, cache)
     assert ".target sm_90a" in ptx
     assert "cp.async.bulk.prefetch.L2.global" in ptx  # the producer's prefetch of the recurrence's state
     assert "sqrt.rn.f32" in ptx  # the q/k L2 norms: x / sqrt(sum x^2 + 1e-6)
     assert ptx.count("st.global.cs.v4") >= 16  # 16 state rows per warp, 16-byte streaming stores (L2 evict-first)
-    assert ptx.count("st.global.v4") >= 1 + 3  # the conv's output and its 3 shifted state rows: one copy for q, k and v
+    # the conv's output and its 3 shifted state rows: three copies at batch 2 (q, k, v each), one at batch 1
+    assert ptx.count("st.global.v4") >= 3 * (1 + 3) + (1 + 3)
     assert ptx.count("shfl.sync.bfly") >= 2 * 16 * 5  # two butterflies per state row
     assert info["registers"] <= 255
 
