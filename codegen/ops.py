@@ -405,6 +405,7 @@ def _check_kda_recurrence(p: KdaRecurrenceParams) -> None:
     _check_batch(p.batch)
     _require(p.head_dim in (64, 128, 256), f"kda_recurrence head_dim {p.head_dim} not in (64, 128, 256)")
     _require(p.num_heads >= 1, "kda_recurrence needs heads")
+    _require(0 <= p.value_rows <= p.head_dim, f"kda_recurrence value_rows {p.value_rows} not in [0, head_dim {p.head_dim}]")
 
 
 def _check_attn_res(p: AttnResParams) -> None:

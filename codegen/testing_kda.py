@@ -187,11 +187,12 @@ class KdaOpsMixin:
         from k3mk.codegen.testing import _split
 
         batch, heads, v_dim, k_dim = self.weights[state].shape
-        opcode = self._opcode("kda_recurrence", KdaRecurrenceParams(heads, k_dim, batch))
+        tiles = _split(v_dim, value_tiles)
+        opcode = self._opcode("kda_recurrence", KdaRecurrenceParams(heads, k_dim, batch, value_rows=max(vc for _, vc in tiles)))
         ev = self.event(name)
         base = {"q": q.offset, "k": k.offset, "v": v.offset, "g": g.offset, "beta": beta.offset, "out": out.offset, "state": state}
         for h in range(heads):
-            for j, (v0, vc) in enumerate(_split(v_dim, value_tiles)):
+            for j, (v0, vc) in enumerate(tiles):
                 self._emit(opcode, {**base, "head": h, "value_begin": v0, "value_count": vc}, wait, ev, f"{name}[{h}.{j}]", None)
         s_name = self.weights[state].name
         self.states.append(s_name)

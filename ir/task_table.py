@@ -159,11 +159,13 @@ class KdaConvParams:
 class KdaRecurrenceParams:
     """Spec 3.2 delta rule (semantics.kda_recurrence) of one head, value rows [value_begin, +value_count):
     q, k, v [batch, H*D] bf16, g [batch, H, D] fp32, beta logits [batch, H] bf16, out [batch, H*D] bf16,
-    state [batch, H, D(v), D(k)] fp32 updated in place (each row read once, written once)."""
+    state [batch, H, D(v), D(k)] fp32 updated in place (each row read once, written once). value_rows: the most value
+    rows a task of this variant holds (0: head_dim), what the template unrolls its rows for."""
 
     num_heads: int
     head_dim: int
     batch: int
+    value_rows: int = 0
 
 
 MAX_ATTN_RES_SOURCES = 9
@@ -678,6 +680,10 @@ class TaskTable:
                         raise TaskTableError(f"{where}: weight id {name}={value} out of range (pointer table: {len(self.weights)} weights + {len(self.states)} states)")
                     if name in STATE_OPERANDS and self.states and value < len(self.weights):
                         raise TaskTableError(f"{where}: {name}={value} is a weight id, the table declares states")
+                params = self.variants[t.opcode].params
+                if kind.name == "kda_recurrence" and t.operands.get("value_count", 0) > (params.value_rows or params.head_dim):
+                    raise TaskTableError(f"{where}: value_count {t.operands['value_count']} above its variant's value_rows "
+                                         f"{params.value_rows or params.head_dim}: the template computes no more rows")
                 if len(t.wait) > 2:
                     raise TaskTableError(f"{where}: at most 2 waits, got {len(t.wait)}")
                 weight_wait = () if t.weight_wait is None else (t.weight_wait,)

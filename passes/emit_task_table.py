@@ -344,7 +344,7 @@ def _kda_recurrence(task: GraphTask, ctx: _Context) -> Lowered:
     v0, v1 = task.tile["values"]
     if state.boxes[0] != ((0, batch), (head, head + 1), (v0, v1), (0, k_dim)):
         raise EmitError(f"task t{task.id} ({task.node}): kda_recurrence tiles (head, value rows) of all requests, the tile is {state.text()}")
-    params = KdaRecurrenceParams(num_heads=heads, head_dim=k_dim, batch=batch)
+    params = KdaRecurrenceParams(num_heads=heads, head_dim=k_dim, batch=batch, value_rows=v1 - v0)
     operands = {"q": ctx.arena(task, q.tensor), "k": ctx.arena(task, k.tensor), "v": ctx.arena(task, v.tensor),
                 "g": ctx.arena(task, g.tensor), "beta": ctx.arena(task, beta.tensor), "out": ctx.arena(task, o.tensor),
                 "state": ctx.state(task, state.tensor), "head": head, "value_begin": v0, "value_count": v1 - v0}  # fmt: skip

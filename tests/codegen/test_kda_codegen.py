@@ -4,6 +4,8 @@ rejects what the templates cannot do. GPU numerics: tests/runtime/test_kda_ops_g
 
 from __future__ import annotations
 
+import re
+
 import sys
 from pathlib import Path
 
@@ -130,6 +132,17 @@ def test_kda_ops_compile_sm90a(cache):
     assert ptx.count("st.global.v4") >= 3 * (1 + 3) + (1 + 3)
     assert ptx.count("shfl.sync.bfly") >= 2 * 16 * 5  # two butterflies per state row
     assert info["registers"] <= 255
+
+
+@pytest.mark.parametrize("value_rows, per_warp", [(0, 16), (32, 4), (24, 3), (128, 16)])
+def test_recurrence_unrolls_the_rows_its_tasks_hold(value_rows, per_warp):
+    """kda_recurrence unrolls ceil(value_rows / warps) rows per warp (head_dim's when 0): Kimi Linear's (head, 32 value
+    rows) tasks at batch 1 compute 4 rows a warp, not head_dim's 16 with 12 of them re-reading the last row."""
+    from k3mk.codegen.emit import emit_source
+
+    source = emit_source([OpVariant("kda_recurrence", KdaRecurrenceParams(5, 128, 1, value_rows=value_rows))])
+    run = source[source.index("def op0_kda_recurrence_run("):]
+    assert set(re.findall(r"for i in cutlass.range_constexpr\((\d+)\):", run)) == {str(per_warp)}
 
 
 def test_gemv_wide_input_reads_x_from_the_arena(cache):

@@ -15,6 +15,7 @@ from k3mk.ir.task_table import (
     BufferSpec,
     Event,
     GemvParams,
+    KdaRecurrenceParams,
     NopParams,
     OpVariant,
     RmsnormParams,
@@ -106,6 +107,21 @@ def test_validate_rejects(change, message):
     table = _with_task(small(), 0, 0, **change)
     with pytest.raises(TaskTableError, match=message):
         table.validate()
+
+
+def test_validate_rejects_recurrence_rows_past_its_variant():
+    """kda_recurrence's template unrolls value_rows rows per task (0: head_dim): a task holding more is refused, one
+    holding fewer re-reads its last row."""
+    rec = {"q": 0, "k": 0, "v": 0, "g": 0, "beta": 0, "out": 256, "state": 0, "head": 0, "value_begin": 0}
+    table = replace(small(), variants=[OpVariant("nop", NopParams()), OpVariant("kda_recurrence", KdaRecurrenceParams(2, 64, 1, value_rows=24))])
+    for count, ok in ((24, True), (16, True), (32, False)):
+        t = _with_task(table, 0, 0, opcode=1, operands={**rec, "value_count": count})
+        t = _with_task(t, 1, 0, opcode=1, operands={**rec, "value_begin": 32, "value_count": 16})
+        if ok:
+            t.validate()
+        else:
+            with pytest.raises(TaskTableError, match="value_count 32 above its variant's value_rows 24"):
+                t.validate()
 
 
 def test_validate_rejects_wait_without_signaller():
