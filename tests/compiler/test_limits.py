@@ -108,6 +108,8 @@ def test_kernel_records_are_what_the_pipeline_emits():
             if record.op == "router_topk":
                 fused = [dataclasses.asdict(v.params) for v in emitted if v.op in ("router", "router_topk")]
                 assert all({k: f[k] for k in dataclasses.asdict(record.params)} == dataclasses.asdict(record.params) for f in fused) and fused
+            elif record.op == "kda_recurrence":  # value_rows follows the SMs the tile pass spreads a head's rows over
+                assert record in [dataclasses.replace(v, params=dataclasses.replace(v.params, value_rows=0)) for v in emitted if v.op == record.op], record
             else:
                 assert record in emitted, (name, record, [v for v in emitted if v.op == record.op])
 
