@@ -5,7 +5,6 @@ rejects what the templates cannot do. GPU numerics: tests/runtime/test_kda_ops_g
 from __future__ import annotations
 
 import re
-
 import sys
 from pathlib import Path
 
