@@ -221,18 +221,23 @@ class MoeMlaOpsMixin:
         self._steps.append(step)
         return ev
 
-    def mla_v_up(self, o, lse, kv_b: int, out, *, qk_nope: int, v_dim: int, head_tiles: int = 1,
+    def mla_v_up(self, o, lse, kv_b: int, out, *, qk_nope: int, v_dim: int, head_tiles: int = 1, value_tiles: int = 1,
                  wait: tuple[int, ...] = (), name: str = "mla_v_up") -> int:  # fmt: skip
-        """out [B, H*v] = fused.mla_v_up(o, lse, kv_b); tasks = head tiles (every request each)."""
+        """out [B, H*v] = fused.mla_v_up(o, lse, kv_b); tasks = head tiles (every request each), or with value_tiles > 1
+        one head's output rows in value_tiles pieces (as passes/tile.py cuts v_up when heads leave SMs idle)."""
         from k3mk.codegen.testing import _split
 
         batch, num_chunks, num_heads, rank = o.shape
         params = MlaVUpParams(num_heads, qk_nope, v_dim, rank, batch, num_chunks)
         opcode = self._opcode("mla_v_up", params)
         ev = self.event(name)
-        for i, (begin, count) in enumerate(_split(num_heads, head_tiles)):
+        if value_tiles > 1:
+            tiles = [(h, 1, v0, vc) for h in range(num_heads) for v0, vc in _split(v_dim, value_tiles)]
+        else:
+            tiles = [(begin, count, 0, v_dim) for begin, count in _split(num_heads, head_tiles)]
+        for i, (begin, count, v0, vc) in enumerate(tiles):
             operands = {"o": o.offset, "lse": lse.offset, "out": out.offset, "weight": kv_b, "head_begin": begin,
-                        "head_count": count}  # fmt: skip
+                        "head_count": count, "value_begin": v0, "value_count": vc}  # fmt: skip
             self._emit(opcode, operands, wait, ev, f"{name}[{i}]", None)
         w_name = self.weights[kv_b].name
         self._steps.append(lambda env, w: env.__setitem__(out.name, fused.mla_v_up(env[o.name], env[lse.name], w[w_name], num_heads, qk_nope, v_dim)))

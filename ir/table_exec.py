@@ -326,8 +326,9 @@ class TableExecutor:
         oo = self.buf(o["o"], "float32", (B, K, H, R))
         lse = self.buf(o["lse"], "float32", (B, K, H))
         y = self._whole(key, lambda: fused.mla_v_up(oo, lse, self.ptr(o["weight"]), H, p.qk_nope, p.v_dim), oo, lse)
-        h0, hc = o["head_begin"], o["head_count"]
-        self.buf(o["out"], "bfloat16", (B, H * p.v_dim))[:, h0 * p.v_dim : (h0 + hc) * p.v_dim] = y[:, h0 * p.v_dim : (h0 + hc) * p.v_dim]
+        h0, hc, v0, vc = o["head_begin"], o["head_count"], o["value_begin"], o["value_count"]
+        out = self.buf(o["out"], "bfloat16", (B, H, p.v_dim))
+        out[:, h0 : h0 + hc, v0 : v0 + vc] = y.view(B, H, p.v_dim)[:, h0 : h0 + hc, v0 : v0 + vc]
 
 
     # ---- tensor parallelism: rank-local ops, and the collectives' two halves (RankGroup) ---------------

@@ -303,9 +303,9 @@ class MlaDecodeParams:
 
 @dataclass(frozen=True)
 class MlaVUpParams:
-    """Spec 4.3 (fused.mla_v_up) of heads [head_begin, +head_count), every request: the log-sum-exp merge of
-    the chunks' o [batch, num_chunks, H, rank] / lse [batch, num_chunks, H] (fp32), then o_lat W_UV[h]^T
-    (kv_b rows [h*(nope+v)+nope, +v)) in fp32, rounded once: out [batch, H*v] bf16."""
+    """Spec 4.3 (fused.mla_v_up) of heads [head_begin, +head_count) and output rows [value_begin, +value_count) of
+    each, every request: the log-sum-exp merge of the chunks' o [batch, num_chunks, H, rank] / lse [batch, num_chunks,
+    H] (fp32), then o_lat W_UV[h]^T (kv_b rows [h*(nope+v)+nope, +v)) in fp32, rounded once: out [batch, H*v] bf16."""
 
     num_heads: int
     qk_nope: int
@@ -417,7 +417,8 @@ OP_KINDS: Mapping[str, OpKind] = MappingProxyType(
             OpKind("mla_q_absorb", MlaQAbsorbParams, ("x", "out", "weight", "head_begin", "head_count")),
             OpKind("mla_decode", MlaDecodeParams, ("q", "positions", "out", "lse", "cache", "request", "chunk",
                                                    "head_begin", "head_count")),
-            OpKind("mla_v_up", MlaVUpParams, ("o", "lse", "out", "weight", "head_begin", "head_count")),
+            OpKind("mla_v_up", MlaVUpParams, ("o", "lse", "out", "weight", "head_begin", "head_count", "value_begin",
+                                              "value_count")),
             OpKind("all_reduce", CollectiveParams, COLLECTIVE_OPERANDS),
             OpKind("all_gather", CollectiveParams, COLLECTIVE_OPERANDS),
             OpKind("shard_slice", ShardSliceParams, ("x", "out", "rank")),

@@ -570,12 +570,14 @@ def _mla_v_up(task: GraphTask, ctx: _Context) -> Lowered:
     (out,) = task.results
     batch, num_chunks, heads, rank = ctx.shape(o)
     h0, h1 = task.tile["heads"]
+    v0, v1 = task.tile.get("values", (0, task.op.v_dim))
     op = task.op
-    if out.boxes[0] != ((0, batch), (h0 * op.v_dim, h1 * op.v_dim)):
-        raise EmitError(f"task t{task.id} ({task.node}): mla_v_up tiles heads of all requests, the tile is {out.text()}")
+    whole = (v0, v1) == (0, op.v_dim)
+    if out.boxes[0] != ((0, batch), (h0 * op.v_dim + v0, (h1 - 1) * op.v_dim + v1)) or not (whole or h1 - h0 == 1):
+        raise EmitError(f"task t{task.id} ({task.node}): mla_v_up tiles heads (or one head's output rows) of all requests, the tile is {out.text()}")
     params = MlaVUpParams(num_heads=heads, qk_nope=op.qk_nope, v_dim=op.v_dim, kv_lora_rank=rank, batch=batch, num_chunks=num_chunks)
     operands = {"o": ctx.arena(task, o.tensor), "lse": ctx.arena(task, lse.tensor), "out": ctx.arena(task, out.tensor),
-                "weight": ctx.weight(kv_b.tensor), "head_begin": h0, "head_count": h1 - h0}  # fmt: skip
+                "weight": ctx.weight(kv_b.tensor), "head_begin": h0, "head_count": h1 - h0, "value_begin": v0, "value_count": v1 - v0}  # fmt: skip
     return OpVariant("mla_v_up", params), operands
 
 
