@@ -131,18 +131,21 @@ def _check_mla_latent(p: MlaLatentParams) -> None:
 
 
 def q_absorb_layout(p: MlaQAbsorbParams) -> dict:
-    """Thread t owns column vector t % RV of W_UK and the row slice t // RV (DS slices); requests in
-    chunks of BC; slices 1.. leave their partial sums in smem for slice 0."""
-    rv = p.kv_lora_rank // VECTOR_ELEMENTS
+    """Thread t owns column vector t % RV of the task's CW columns of W_UK and the row slice t // RV (DS slices);
+    requests in chunks of BC; every slice leaves its partial sums in smem, fp32 [DS, BC, CW]."""
+    cw = p.columns or p.kv_lora_rank
+    rv = cw // VECTOR_ELEMENTS
     ds = THREADS // rv
     bc = min(p.batch, 4)
-    return {"RV": rv, "DS": ds, "BC": bc, "total": (ds - 1) * bc * p.kv_lora_rank * 4}
+    return {"CW": cw, "RV": rv, "DS": ds, "BC": bc, "total": ds * bc * cw * 4}
 
 
 def _check_mla_q_absorb(p: MlaQAbsorbParams) -> None:
     _check_batch(p.batch)
     _check_mla_dims("mla_q_absorb", p.kv_lora_rank, VECTOR_ELEMENTS)
     _require(p.qk_nope >= 1 and p.qk_rope >= 0 and p.v_dim >= 1, "mla_q_absorb dims")
+    _require(p.columns >= 0 and p.columns % VECTOR_ELEMENTS == 0 and p.kv_lora_rank % (p.columns or p.kv_lora_rank) == 0,
+             f"mla_q_absorb columns {p.columns}: a multiple of {VECTOR_ELEMENTS} dividing kv_lora_rank {p.kv_lora_rank}")
 
 
 def decode_layout(p: MlaDecodeParams) -> dict:

@@ -180,17 +180,24 @@ class MoeMlaOpsMixin:
         return ev
 
     def mla_q_absorb(self, q, kv_b: int, out, *, num_heads: int, qk_nope: int, qk_rope: int, v_dim: int,
-                     head_tiles: int = 1, wait: tuple[int, ...] = (), name: str = "mla_q_absorb") -> int:  # fmt: skip
-        """out [B, H, rank+rope] = fused.mla_q_absorb(q, kv_b); tasks = head tiles."""
+                     head_tiles: int = 1, column_tiles: int = 1, wait: tuple[int, ...] = (), name: str = "mla_q_absorb") -> int:  # fmt: skip
+        """out [B, H, rank+rope] = fused.mla_q_absorb(q, kv_b); tasks = head tiles, or with column_tiles > 1 one head's
+        q_lat columns in column_tiles equal pieces (as passes/tile.py cuts q_absorb when heads leave SMs idle)."""
         from k3mk.codegen.testing import _split
 
         batch = q.shape[0]
         rank = self.weights[kv_b].shape[1]
-        params = MlaQAbsorbParams(num_heads, qk_nope, qk_rope, v_dim, rank, batch)
+        columns = rank // column_tiles if column_tiles > 1 else 0
+        params = MlaQAbsorbParams(num_heads, qk_nope, qk_rope, v_dim, rank, batch, columns=columns)
         opcode = self._opcode("mla_q_absorb", params)
         ev = self.event(name)
-        for i, (begin, count) in enumerate(_split(num_heads, head_tiles)):
-            operands = {"x": q.offset, "out": out.offset, "weight": kv_b, "head_begin": begin, "head_count": count}
+        if column_tiles > 1:
+            tiles = [(h, 1, c * columns) for h in range(num_heads) for c in range(column_tiles)]
+        else:
+            tiles = [(begin, count, 0) for begin, count in _split(num_heads, head_tiles)]
+        for i, (begin, count, c0) in enumerate(tiles):
+            operands = {"x": q.offset, "out": out.offset, "weight": kv_b, "head_begin": begin, "head_count": count,
+                        "column_begin": c0}  # fmt: skip
             self._emit(opcode, operands, wait, ev, f"{name}[{i}]", None)
         w_name = self.weights[kv_b].name
         self._steps.append(lambda env, w: env.__setitem__(out.name, fused.mla_q_absorb(env[q.name], w[w_name], num_heads, qk_nope, v_dim)))

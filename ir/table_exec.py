@@ -308,8 +308,10 @@ class TableExecutor:
         B, H = p.batch, p.num_heads
         q = self.buf(o["x"], "bfloat16", (B, H * (p.qk_nope + p.qk_rope)))
         y = self._whole(key, lambda: fused.mla_q_absorb(q, self.ptr(o["weight"]), H, p.qk_nope, p.v_dim), q)
-        h0, hc = o["head_begin"], o["head_count"]
-        self.buf(o["out"], "bfloat16", (B, H, p.kv_lora_rank + p.qk_rope))[:, h0 : h0 + hc] = y[:, h0 : h0 + hc]
+        h0, hc, c0 = o["head_begin"], o["head_count"], o["column_begin"]
+        c1 = c0 + (p.columns or p.kv_lora_rank)
+        c1 = p.kv_lora_rank + p.qk_rope if c1 == p.kv_lora_rank else c1  # the last columns' task copies q_pe
+        self.buf(o["out"], "bfloat16", (B, H, p.kv_lora_rank + p.qk_rope))[:, h0 : h0 + hc, c0:c1] = y[:, h0 : h0 + hc, c0:c1]
 
     def _op_mla_decode(self, p, o, key) -> None:
         B, H, R, K = p.batch, p.num_heads, p.kv_lora_rank, p.num_chunks

@@ -271,9 +271,11 @@ class MlaLatentParams:
 
 @dataclass(frozen=True)
 class MlaQAbsorbParams:
-    """Spec 4.3 (fused.mla_q_absorb) of heads [head_begin, +head_count): out[b, h] = bf16(q_nope[b, h] W_UK[h])
-    (fp32 accumulate) || q_pe[b, h]. x = q [batch, H*(nope+rope)] bf16; weight = kv_b [H*(nope+v), rank]
-    bf16 (W_UK[h] = its rows [h*(nope+v), +nope)); out [batch, H, rank+rope] bf16."""
+    """Spec 4.3 (fused.mla_q_absorb) of heads [head_begin, +head_count) and q_lat columns [column_begin, +columns):
+    out[b, h] = bf16(q_nope[b, h] W_UK[h]) (fp32 accumulate) || q_pe[b, h] (copied by the task holding the last
+    columns). x = q [batch, H*(nope+rope)] bf16; weight = kv_b [H*(nope+v), rank] bf16 (W_UK[h] = its rows
+    [h*(nope+v), +nope)); out [batch, H, rank+rope] bf16. columns: every task's width of the rank (0: kv_lora_rank),
+    what the template lays its threads out for."""
 
     num_heads: int
     qk_nope: int
@@ -281,6 +283,7 @@ class MlaQAbsorbParams:
     v_dim: int
     kv_lora_rank: int
     batch: int
+    columns: int = 0
 
 
 @dataclass(frozen=True)
@@ -414,7 +417,7 @@ OP_KINDS: Mapping[str, OpKind] = MappingProxyType(
             OpKind("expert_combine", ExpertCombineParams, ("x", "ids", "topk_weights", "out", "weight", "scale",
                                                            "row_begin", "row_count", "residual", "residual2")),
             OpKind("mla_latent", MlaLatentParams, ("x", "positions", "norm_weight", "cache", "batch_begin", "batch_count")),
-            OpKind("mla_q_absorb", MlaQAbsorbParams, ("x", "out", "weight", "head_begin", "head_count")),
+            OpKind("mla_q_absorb", MlaQAbsorbParams, ("x", "out", "weight", "head_begin", "head_count", "column_begin")),
             OpKind("mla_decode", MlaDecodeParams, ("q", "positions", "out", "lse", "cache", "request", "chunk",
                                                    "head_begin", "head_count")),
             OpKind("mla_v_up", MlaVUpParams, ("o", "lse", "out", "weight", "head_begin", "head_count", "value_begin",
@@ -685,6 +688,11 @@ class TaskTable:
                 if kind.name == "kda_recurrence" and t.operands.get("value_count", 0) > (params.value_rows or params.head_dim):
                     raise TaskTableError(f"{where}: value_count {t.operands['value_count']} above its variant's value_rows "
                                          f"{params.value_rows or params.head_dim}: the template computes no more rows")
+                if kind.name == "mla_q_absorb":
+                    c0, width = t.operands.get("column_begin", 0), params.columns or params.kv_lora_rank
+                    if c0 % width or not 0 <= c0 < params.kv_lora_rank:
+                        raise TaskTableError(f"{where}: column_begin {c0} is not a multiple of its variant's columns {width} "
+                                             f"in [0, kv_lora_rank {params.kv_lora_rank})")
                 if len(t.wait) > 2:
                     raise TaskTableError(f"{where}: at most 2 waits, got {len(t.wait)}")
                 weight_wait = () if t.weight_wait is None else (t.weight_wait,)

@@ -536,12 +536,15 @@ def _mla_q_absorb(task: GraphTask, ctx: _Context) -> Lowered:
     batch, heads, width = ctx.shape(out)
     rank = ctx.shape(kv_b)[1]
     h0, h1 = task.tile["heads"]
-    if out.boxes[0] != ((0, batch), (h0, h1), (0, width)):
-        raise EmitError(f"task t{task.id} ({task.node}): mla_q_absorb tiles heads of all requests, the tile is {out.text()}")
+    c0, c1 = task.tile.get("columns", (0, rank))
+    whole = (c0, c1) == (0, rank)
+    if out.boxes[0] != ((0, batch), (h0, h1), (c0, width if c1 == rank else c1)) or not (whole or h1 - h0 == 1):
+        raise EmitError(f"task t{task.id} ({task.node}): mla_q_absorb tiles heads (or one head's q_lat columns) of all requests, the tile is {out.text()}")
     op = task.op
-    params = MlaQAbsorbParams(num_heads=heads, qk_nope=op.qk_nope, qk_rope=width - rank, v_dim=op.v_dim, kv_lora_rank=rank, batch=batch)
+    params = MlaQAbsorbParams(num_heads=heads, qk_nope=op.qk_nope, qk_rope=width - rank, v_dim=op.v_dim, kv_lora_rank=rank, batch=batch,
+                              columns=0 if whole else c1 - c0)  # fmt: skip
     operands = {"x": ctx.arena(task, x.tensor), "out": ctx.arena(task, out.tensor), "weight": ctx.weight(kv_b.tensor),
-                "head_begin": h0, "head_count": h1 - h0}  # fmt: skip
+                "head_begin": h0, "head_count": h1 - h0, "column_begin": c0}  # fmt: skip
     return OpVariant("mla_q_absorb", params), operands
 
 

@@ -41,6 +41,7 @@ COLUMN_GRANULE = 64  # elementwise chunks: whole 128-byte lines of bf16
 ELEMENTWISE_BYTES = 16 * 1024  # output bytes per elementwise / collective task
 MIN_STATE_ROWS = 16  # KDA recurrence: fewest value rows of a head per task
 MIN_V_UP_ROWS = 32  # MLA v_up: fewest output rows of a head per task (each task merges the head's chunks again)
+MIN_Q_ABSORB_COLUMNS = 128  # MLA q_absorb: fewest q_lat columns of a head per task (256 contiguous bytes of a W_UK row)
 
 
 class TileError(ValueError):
@@ -358,31 +359,40 @@ def _mla_absorbed_heads(ctx: Context, node: Node) -> list[Task]:
     kv_head = op.qk_nope + op.v_dim
     streamed = op.qk_nope if node.op.name == "mla_q_absorb" else op.v_dim
     per_head = streamed * rank * ctx.tensor(kv_b).dtype.itemsize
-    # v_up with fewer heads than SMs: each head's output rows over several tasks (Kimi Linear's 32 heads: 4 x 32 rows,
-    # 128 SMs streaming W_UV instead of 32), each merging the head's chunks itself (o_lat is every row's input)
-    parts = 1 if node.op.name == "mla_q_absorb" else max(1, min(ctx.num_sms // op.num_heads, op.v_dim // MIN_V_UP_ROWS))
+    # With fewer heads than SMs a head goes to several tasks (Kimi Linear's 32 heads: 4 each, 128 SMs streaming
+    # kv_b instead of 32): q_absorb's q_lat columns in equal widths (the template lays its threads out for one),
+    # v_up's output rows (each task merges the head's chunks itself: o_lat is every row's input).
+    if node.op.name == "mla_q_absorb":
+        limit = max(1, min(ctx.num_sms // op.num_heads, rank // MIN_Q_ABSORB_COLUMNS))
+        whole = rank
+        pieces = split(rank, max(p for p in range(1, limit + 1) if p == 1 or rank % (p * ROW_GRANULE) == 0))
+    else:
+        whole = op.v_dim
+        pieces = split(op.v_dim, max(1, min(ctx.num_sms // op.num_heads, op.v_dim // MIN_V_UP_ROWS)), ROW_GRANULE)
+    out_shape = ctx.shape(node.outputs[0])
     tasks = []
     for h0, h1 in _head_groups(ctx, op.num_heads):
-        for v0, v1 in split(op.v_dim, parts, ROW_GRANULE):
+        for lo, hi in pieces:
             args = {len(node.inputs) - 1: sub(ctx.shape(kv_b), {0: (h0 * kv_head, h1 * kv_head)})}
             if node.op.name == "mla_q_absorb":
                 q_shape = ctx.shape(node.inputs[0])
                 q_head = q_shape[1] // op.num_heads
                 args[0] = sub(q_shape, {1: (h0 * q_head, h1 * q_head)})
-                out = sub(ctx.shape(node.outputs[0]), {1: (h0, h1)})
-                tile = {"heads": (h0, h1)}
+                c1 = out_shape[2] if hi == rank else hi  # the last columns' task copies q_pe
+                out = sub(out_shape, {1: (h0, h1), 2: (lo, c1)})
+                part = sub(out_shape, {1: (0, 1), 2: (lo, c1)})
+                tile = {"heads": (h0, h1), "columns": (lo, hi)}
             else:
                 args[0] = sub(ctx.shape(node.inputs[0]), {2: (h0, h1)})  # o [B, K, H, rank]
                 args[1] = sub(ctx.shape(node.inputs[1]), {2: (h0, h1)})  # lse [B, K, H]
-                out_shape = ctx.shape(node.outputs[0])
-                out = sub(out_shape, {1: (h0 * op.v_dim + v0, (h1 - 1) * op.v_dim + v1)})
-                if (v0, v1) != (0, op.v_dim):  # the op computes the head's v_dim rows; the task stores its own
-                    out = Operand(node.outputs[0], (out,), part=sub(out_shape, {1: (v0, v1)}))
-                tile = {"heads": (h0, h1), "values": (v0, v1)}
-            rows = streamed * (v1 - v0) // op.v_dim if node.op.name == "mla_v_up" else streamed
+                out = sub(out_shape, {1: (h0 * op.v_dim + lo, (h1 - 1) * op.v_dim + hi)})
+                part = sub(out_shape, {1: (lo, hi)})
+                tile = {"heads": (h0, h1), "values": (lo, hi)}
+            if (lo, hi) != (0, whole):  # the op computes the whole head; the task stores its part
+                out = Operand(node.outputs[0], (out,), part=part)
             tasks.append(
-                ctx.task(node, tile, args, [out], op=replace(op, num_heads=h1 - h0),
-                         weight_bytes=(h1 - h0) * per_head * rows // streamed, flops=2 * ctx.shape(node.inputs[0])[0] * (h1 - h0) * rows * rank)  # fmt: skip
+                ctx.task(node, tile, args, [out], op=replace(op, num_heads=h1 - h0), weight_bytes=(h1 - h0) * per_head * (hi - lo) // whole,
+                         flops=2 * ctx.shape(node.inputs[0])[0] * (h1 - h0) * streamed * rank * (hi - lo) // whole)  # fmt: skip
             )
     return tasks
 

@@ -245,9 +245,10 @@ def moe_graph_case(router_tiles: int = 0) -> MoeMlaCase:
 
 def mla_case(name: str, batch: int, heads: int, rank: int, rope: int, nope: int, v_dim: int, max_len: int,
              chunks: int, min_rows: int, group_heads: int, ctas: int, head_tiles: int = 2, value_tiles: int = 1,
-             bench: bool = False) -> MoeMlaCase:  # fmt: skip
-    """latent + cache write -> (q absorb) -> chunked decode (waits on both) -> LSE merge + W_UV (value_tiles > 1: each
-    head's output rows in that many v_up tasks). bench: every request at the last position (the full cache), for timing."""
+             column_tiles: int = 1, bench: bool = False) -> MoeMlaCase:  # fmt: skip
+    """latent + cache write -> (q absorb) -> chunked decode (waits on both) -> LSE merge + W_UV (column_tiles /
+    value_tiles > 1: each head's q_lat columns / output rows in that many q_absorb / v_up tasks). bench: every
+    request at the last position (the full cache), for timing."""
     b = TableBuilder(ctas)
     c = b.buffer("c", "bfloat16", (batch, rank + rope))
     q = b.buffer("q", "bfloat16", (batch, heads * (nope + rope)))
@@ -261,7 +262,8 @@ def mla_case(name: str, batch: int, heads: int, rank: int, rope: int, nope: int,
     cache = b.weight("cache", "bfloat16", (batch, max_len, rank + rope))
     scale = (nope + rope) ** -0.5
     e_lat = b.mla_latent(c, pos, g, cache, eps=1e-6, tasks=min(batch, 2), name="latent")
-    e_q = b.mla_q_absorb(q, kv_b, q_abs, num_heads=heads, qk_nope=nope, qk_rope=rope, v_dim=v_dim, head_tiles=head_tiles, name="q_absorb")
+    e_q = b.mla_q_absorb(q, kv_b, q_abs, num_heads=heads, qk_nope=nope, qk_rope=rope, v_dim=v_dim, head_tiles=head_tiles,
+                         column_tiles=column_tiles, name="q_absorb")  # fmt: skip
     e_d = b.mla_decode(q_abs, pos, cache, o, lse, num_chunks=chunks, min_chunk_rows=min_rows, scale=scale,
                        group_heads=group_heads, wait=(e_lat, e_q), name="decode")  # fmt: skip
     b.mla_v_up(o, lse, kv_b, out, qk_nope=nope, v_dim=v_dim, head_tiles=head_tiles, value_tiles=value_tiles, wait=(e_d,), name="v_up")
@@ -389,8 +391,9 @@ def moe_mla_cases() -> list[MoeMlaCase]:
         moe_graph_case(router_tiles=3),
         mla_case("mla_k3dims_b1", 1, 5, 512, 64, 128, 128, 700, 6, 32, 4, ctas=8),
         mla_case("mla_odd_b4", 4, 3, 136, 24, 40, 24, 157, 3, 16, 2, ctas=6),
-        mla_case("mla_k3dims_b1_vtiles", 1, 5, 512, 64, 128, 128, 700, 6, 32, 4, ctas=8, value_tiles=4),
-        mla_case("mla_odd_b4_vtiles", 4, 3, 136, 24, 40, 24, 157, 3, 16, 2, ctas=6, value_tiles=2),
+        mla_case("mla_k3dims_b1_tiles", 1, 5, 512, 64, 128, 128, 700, 6, 32, 4, ctas=8, value_tiles=4, column_tiles=4),
+        # q_absorb's 72 columns: 9 column vectors, 28 row slices (252 of 256 threads)
+        mla_case("mla_odd_b4_tiles", 4, 3, 144, 16, 40, 24, 157, 3, 16, 2, ctas=6, value_tiles=2, column_tiles=2),
         mla_case("mla_odd_b16", 16, 3, 136, 24, 40, 24, 157, 3, 16, 2, ctas=6),
         # K3 MLA at T = 8192, batch 1: 96 heads; decode = 22 chunks x 6 groups of 16 heads = 132 tasks.
         mla_case("bench_mla_k3_t8192", 1, 96, 512, 64, 128, 128, 8192, 22, 64, 16, ctas=132, head_tiles=48, bench=True),
