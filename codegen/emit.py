@@ -26,6 +26,7 @@ from k3mk.codegen.ops import (
     variant_code,
     x_staging_limit,
 )
+from k3mk.codegen.ops_moe_mla import v_up_layout
 from k3mk.ir import task_table as tt
 from k3mk.ir.streaming import COMBINE_BATCH_ROWS, MXFP4_SPAN, ROW_MMA_SPAN, mxfp4_padded
 from k3mk.ir.task_table import OpVariant
@@ -55,6 +56,7 @@ _ENV.globals.update(BLOCK_SUMS=BLOCK_SUMS, group_size=group_size)
 _ENV.globals.update(gemv_partials_offset=gemv_partials_offset, PARTIAL_WARPS=PARTIAL_WARPS)  # a row-MMA gemv's partial sums
 _ENV.globals.update(gemv_rstd_offset=gemv_rstd_offset)  # gated_rmsnorm's rstd table
 _ENV.globals.update(router_select_spread=router_select_spread, gemv_select_offset=gemv_select_offset)  # a batch-1 router's top-k
+_ENV.globals.update(v_up_layout=v_up_layout)  # mla_v_up's smem regions
 _ENV.globals.update(FLOAT32_MAX=3.4028234663852886e38)  # the largest finite float32 (topk_select.py.j2)
 
 

@@ -168,9 +168,12 @@ def _check_mla_decode(p: MlaDecodeParams) -> None:
 
 
 def v_up_layout(p: MlaVUpParams) -> dict:
-    """sO fp32 [B, rank] (the merged latent outputs of one head) | sW fp32 [B, chunks] (merge weights)."""
+    """sO fp32 [B, rank] (the merged latent outputs of one head) | sW fp32 [B, chunks] (merge weights) | sL fp32
+    [B, chunks] (the head's lse) | sN int32 [B] (chunks up to the last non-empty one)."""
     w_off = _a16(p.batch * p.kv_lora_rank * 4)
-    return {"W_OFF": w_off, "total": w_off + _a16(p.batch * p.num_chunks * 4)}
+    l_off = w_off + _a16(p.batch * p.num_chunks * 4)
+    n_off = l_off + _a16(p.batch * p.num_chunks * 4)
+    return {"W_OFF": w_off, "L_OFF": l_off, "N_OFF": n_off, "total": n_off + _a16(p.batch * 4)}
 
 
 def _check_mla_v_up(p: MlaVUpParams) -> None:
