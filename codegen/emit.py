@@ -6,6 +6,7 @@ same variants but other tasks, events or SM lists runs on the same cubin.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -57,12 +58,27 @@ _ENV.globals.update(gemv_partials_offset=gemv_partials_offset, PARTIAL_WARPS=PAR
 _ENV.globals.update(gemv_rstd_offset=gemv_rstd_offset)  # gated_rmsnorm's rstd table
 _ENV.globals.update(router_select_spread=router_select_spread, gemv_select_offset=gemv_select_offset)  # a batch-1 router's top-k
 _ENV.globals.update(v_up_layout=v_up_layout)  # mla_v_up's smem regions
+_ENV.globals.update(FLAT_VIEW=1 << 30)  # the extent of an arena view that bounds no index (gemv.py.j2 at batch 1)
 _ENV.globals.update(FLOAT32_MAX=3.4028234663852886e38)  # the largest finite float32 (topk_select.py.j2)
 
 
 def dynamic_smem_bytes(variants: list[OpVariant], config: KernelConfig = KernelConfig()) -> int:
     """What the launch must pass as dynamic shared memory (op smem + scratch)."""
     return smem_bytes(variants, config) + SCRATCH_BYTES
+
+
+def shared_code(codes: list[VariantCode], sources: list[str]) -> list[int]:
+    """For each variant, the variant whose function runs its tasks: the first one whose source is the same but for its
+    name and comments (at batch 1, the gemvs of one input width and epilogue whatever their rows). Their tasks share
+    one function and one call site, so the SM fetches that code once for all of them: a task whose code is cold
+    pays for fetching it (the kda_conv's copies, BENCHMARKS.md 2026-12-07 midday)."""
+    first: dict[str, int] = {}
+    runs = []
+    for c, source in zip(codes, sources):
+        text = re.sub(rf"\bop{c.index}_", "op_", source)
+        key = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+        runs.append(first.setdefault(f"{c.op}\n{key}", c.index))
+    return runs
 
 
 def emit_source(variants: list[OpVariant], config: KernelConfig = KernelConfig()) -> str:
@@ -72,15 +88,17 @@ def emit_source(variants: list[OpVariant], config: KernelConfig = KernelConfig()
     x_limit = x_staging_limit(variants)
     codes: list[VariantCode] = [variant_code(i, v, config, x_limit) for i, v in enumerate(variants)]
     ring = ring_layout(variants, config)
-    op_sources = [
-        _ENV.get_template(OP_CODEGEN[c.op].template).render(v=c, p=c.p, kc=config).rstrip() + "\n" for c in codes
-    ]
+    sources = [_ENV.get_template(OP_CODEGEN[c.op].template).render(v=c, p=c.p, kc=config).rstrip() + "\n" for c in codes]
+    runs = shared_code(codes, sources)
+    aliases = [(c.index, runs[c.index]) for c in codes if runs[c.index] != c.index]
+    op_sources = [s for c, s in zip(codes, sources) if runs[c.index] == c.index]
     helpers = _ENV.get_template("helpers.py.j2").render(kc=config).rstrip() + "\n\n\n"
     helpers += _ENV.get_template("ring.py.j2").render(kc=config, ring=ring).rstrip() + "\n"
     return _ENV.get_template("megakernel.py.j2").render(
         kc=config,
         ring=ring,
-        variants=codes,
+        variants=[c for c in codes if runs[c.index] == c.index],
+        aliases=aliases,
         op_sources=op_sources,
         helpers=helpers,
         smem_bytes=smem_bytes(variants, config),
