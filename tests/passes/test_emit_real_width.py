@@ -75,6 +75,15 @@ def test_real_width_table_executes_like_the_interpreter(name):
     group = mla_decode_group_heads(1)
     assert params.group_heads == group
     assert Counter(decode) == {(h, group): params.num_chunks for h in range(0, heads, group)}
+    absorb = Counter((t.operands.get("head_begin", 0), t.operands["head_count"], t.operands.get("column_begin", 0)) for ts in table.lists
+                     for t in ts if table.variants[t.opcode].op == "mla_q_absorb")  # fmt: skip
+    v_up = Counter((t.operands.get("head_begin", 0), t.operands["head_count"], t.operands.get("value_begin", 0), t.operands["value_count"])
+                   for ts in table.lists for t in ts if table.variants[t.opcode].op == "mla_v_up")  # fmt: skip
+    if name == "kimi-linear":  # 32 heads, 132 SMs: a head's q_lat in 4 blocks of 128 columns, its output in 4 x 32 rows
+        assert absorb == Counter((h, 1, c) for h in range(heads) for c in (0, 128, 256, 384))
+        assert v_up == Counter((h, 1, v, 32) for h in range(heads) for v in (0, 32, 64, 96))
+    else:  # 96 heads: one task a head
+        assert absorb == Counter((h, 1, 0) for h in range(heads)) and v_up == Counter((h, 1, 0, 128) for h in range(heads))
     tg_graph = out.task_graph.graph
     weights = random_weights(config, 0, BF16)
     gen = torch.Generator().manual_seed(0)
