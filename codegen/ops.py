@@ -311,12 +311,10 @@ def _check_gemv(p: GemvParams) -> None:
              f"gemv epilogue {p.epilogue!r} writes {'float32' if p.epilogue in ('kda_gate', 'router') else 'bfloat16'}")  # fmt: skip
     if p.epilogue == "router":
         _check_select("gemv router", p.out_features, p.top_k)
-        _require(p.out_stride in (0, p.out_features), "gemv router: the logits are [batch, experts] rows (no out_stride)")
     if p.epilogue in ("kda_gate", "gated_rmsnorm"):
         _require(p.head_dim > 0 and p.out_features % p.head_dim == 0, f"gemv {p.epilogue}: head_dim {p.head_dim} must divide {p.out_features}")
     if p.epilogue == "gated_rmsnorm":
         _require(p.head_dim % VECTOR_ELEMENTS == 0, f"gemv gated_rmsnorm head_dim {p.head_dim} not a multiple of {VECTOR_ELEMENTS}")
-        _require((p.o_stride or p.out_features) % VECTOR_ELEMENTS == 0, "gemv o_stride must keep rows 16-byte aligned")
     if p.epilogue == "situ_mul":
         _require(p.beta > 0 and (p.linear_beta is None or p.linear_beta > 0), "situ_mul needs beta, linear_beta > 0")
 

@@ -107,7 +107,8 @@ class TableBuilder(KdaOpsMixin, MoeMlaOpsMixin):
         opcode = self._opcode("gemv", params)
         ev = self.event(name)
         for i, (begin, count) in enumerate(_split(n, tiles)):
-            operands = {"x": x.offset, "out": out.offset, "weight": weight, "row_begin": begin, "row_count": count}
+            operands = {"x": x.offset, "out": out.offset, "weight": weight, "row_begin": begin, "row_count": count,
+                        "batch_stride": n}  # fmt: skip
             if norm_weight is not None:
                 operands["norm_weight"] = norm_weight
             if residual is not None:

@@ -37,7 +37,8 @@ class KdaOpsMixin:
         opcode = self._opcode("gemv", params)
         ev = self.event(name)
         for i, (begin, count) in enumerate(_split(params.out_features, tiles)):
-            self._emit(opcode, {**operands, "row_begin": begin, "row_count": count}, wait, ev, f"{name}[{i}]", None)
+            self._emit(opcode, {**operands, "row_begin": begin, "row_count": count, "batch_stride": params.out_features},
+                       wait, ev, f"{name}[{i}]", None)  # fmt: skip
         return ev
 
     def _gemv_common(self, x, weight: int, norm_weight: int | None, eps: float) -> tuple[int, int, int, dict]:

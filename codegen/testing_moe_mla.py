@@ -60,6 +60,7 @@ class MoeMlaOpsMixin:
             parts = _split(num_experts, tiles)
             for i, (begin, count) in enumerate(parts):
                 operands = {"x": x.offset, "out": logits.offset, "weight": weight, "row_begin": begin, "row_count": count,
+                            "batch_stride": num_experts,
                             "bias": bias, "ids": ids.offset, "topk_weights": topk_weights.offset, "arrivals": arrivals,
                             "tiles": len(parts)}  # fmt: skip
                 if norm_weight is not None:

@@ -146,7 +146,7 @@ class TableExecutor:
         pass
 
     def _op_gemv(self, p, o, key) -> None:
-        if p.x_stride or p.out_stride or p.residual_stride or p.o_stride:
+        if p.x_stride:
             raise TableExecError("strided gemv operands are not modelled")
         B = p.batch
         x = self.buf(o["x"], "bfloat16", (B, p.in_features))

@@ -78,7 +78,9 @@ class GemvParams:
                        E5): every tile counts itself on the `arrivals` event, and the tile whose add completes
                        the step's count (`tiles` adds per step) selects for every request from all the logits,
                        writing ids / topk_weights; the tiles signal one event, which the experts wait on
-    Strides are in elements (0: the natural row length)."""
+    x_stride: the elements between x's batch rows (0: in_features). The batch rows of out, the residuals and o lie
+    out_features apart: a task says so in its `batch_stride` operand, so that gemvs that differ only in their rows
+    run one code (codegen/emit.py shared_code)."""
 
     in_features: int
     out_features: int
@@ -87,8 +89,6 @@ class GemvParams:
     residuals: int = 0
     eps: float = 1e-6
     x_stride: int = 0  # 0: in_features
-    out_stride: int = 0  # 0: out_features
-    residual_stride: int = 0  # 0: out_features
     epilogue: str = "none"
     out_dtype: str = "bfloat16"  # or "float32" ("none" without residuals; "kda_gate" always)
     beta: float = 4.0  # situ_mul
@@ -96,7 +96,6 @@ class GemvParams:
     head_dim: int = 0  # kda_gate, gated_rmsnorm
     lower_bound: float | None = None  # kda_gate; None: the softplus form (Kimi Linear)
     o_eps: float = 1e-5  # gated_rmsnorm
-    o_stride: int = 0  # sigmoid_gate, gated_rmsnorm: row stride of o; 0: out_features
     top_k: int = 0  # router
     renormalize: bool = False  # router
     scaling: float = 1.0  # router
@@ -399,7 +398,8 @@ OP_KINDS: Mapping[str, OpKind] = MappingProxyType(
             OpKind("nop", NopParams, ()),
             OpKind("gemv", GemvParams, ("x", "out", "weight", "row_begin", "row_count", "residual", "norm_weight",
                                         "weight_up", "o", "a_log", "dt_bias", "o_norm_weight", "residual2", "residual3",
-                                        "residual4", "x_staged", "bias", "ids", "topk_weights", "arrivals", "tiles")),
+                                        "residual4", "x_staged", "bias", "ids", "topk_weights", "arrivals", "tiles",
+                                        "batch_stride")),
             OpKind("rmsnorm", RmsnormParams, ("x", "out", "weight", "batch_begin", "batch_count")),
             OpKind("embedding", EmbeddingParams, ("ids", "out", "table", "batch_begin", "batch_count")),
             OpKind("argmax", ArgmaxParams, ("logits", "out", "batch_begin", "batch_count")),

@@ -259,7 +259,7 @@ def _gemv(task: GraphTask, ctx: _Context) -> Lowered:
     params = GemvParams(in_features=ctx.shape(w)[1], out_features=out_features, batch=batch, rmsnorm=norm is not None,
                         residuals=len(residuals), **extra)  # fmt: skip
     operands.update({"x": ctx.arena(task, x.tensor), "out": ctx.arena(task, out.tensor), "weight": ctx.weight(w.tensor),
-                     "row_begin": row_begin, "row_count": row_end - row_begin})  # fmt: skip
+                     "row_begin": row_begin, "row_count": row_end - row_begin, "batch_stride": out_features})  # fmt: skip
     if norm is not None:
         operands["norm_weight"] = ctx.weight(norm.tensor)
     return OpVariant("gemv", params), operands

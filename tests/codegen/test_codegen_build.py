@@ -103,23 +103,23 @@ def test_codegen_rejects(variant, message):
         emit_source([variant])
 
 
-def test_batch_1_gemvs_of_one_width_share_their_code():
-    """At batch 1 the gemvs of one input width and epilogue differ only in row strides that b = 0 never multiplies:
-    one function and one call site run all their tasks (codegen/emit.py shared_code); another width, another
-    epilogue or batch 4 (where the strides count) keep their own."""
+def test_gemvs_of_one_width_share_their_code():
+    """The gemvs of one input width and epilogue differ only in their rows (the batch rows' stride is the
+    `batch_stride` operand; batch 1 never multiplies it): one function and one call site run all their tasks
+    (codegen/emit.py shared_code), at every batch; another width or another epilogue keeps its own."""
 
     def gemvs(batch: int) -> list[OpVariant]:
         return [OpVariant("gemv", GemvParams(2304, 4096, batch)), OpVariant("gemv", GemvParams(1024, 2304, batch)),
                 OpVariant("gemv", GemvParams(2304, 576, batch)), OpVariant("gemv", GemvParams(2304, 128, batch, residuals=1)),
                 OpVariant("gemv", GemvParams(2304, 32, batch))]  # fmt: skip
 
-    one = emit_source(gemvs(1))
-    assert [i for i in range(5) if f"def op{i}_gemv_run(" in one] == [0, 1, 3]
-    assert one.count("op0_gemv_run(task,") == 1  # one call site for variants 0, 2 and 4
     aliases = "        if opcode == 2:\n            code = Int32(0)\n        if opcode == 4:\n            code = Int32(0)\n"
-    assert one.count("        code = opcode\n" + aliases) == 2  # the producer's dispatch and the consumers'
-    four = emit_source(gemvs(4))
-    assert all(f"def op{i}_gemv_run(" in four for i in range(5)) and "code = Int32(" not in four
+    for batch in (1, 4, 8):
+        source = emit_source(gemvs(batch))
+        assert [i for i in range(5) if f"def op{i}_gemv_run(" in source] == [0, 1, 3], batch
+        assert source.count("op0_gemv_run(task,") == 1  # one call site for variants 0, 2 and 4
+        assert source.count("        code = opcode\n" + aliases) == 2  # the producer's dispatch and the consumers'
+        assert ("bstride = task[" in source) == (batch > 1)  # batch 1 reads no stride
 
 
 def test_too_many_lists_for_target(tmp_path, cache):

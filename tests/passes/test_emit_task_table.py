@@ -93,6 +93,7 @@ def test_operands_point_at_the_plan():
                 rows = out.boxes[0][1]
                 assert (operand("x"), operand("out"), operand("weight")) == (buffers[x.tensor], buffers[out.tensor], weight_id[w.tensor])
                 assert (operand("row_begin"), operand("row_count")) == (rows[0], rows[1] - rows[0])
+                assert operand("batch_stride") == graph.tensors[out.tensor].shape[1]  # the elements between out's rows
                 assert (variant.params.in_features, variant.params.out_features) == graph.tensors[w.tensor].shape[::-1]
     assert {v.op for v in table.variants} == {"embedding", "rmsnorm", "gemv", "add", "argmax"}
 
