@@ -14,7 +14,9 @@ Every op kind in `ir.ops.OPS` has a rule in `RULES`; a kind without one is an er
 
 Sizing (prior art 5.4): a GEMV-like node is cut into row tiles that stream 32 KB - 1 MB of weights each,
 and into enough tiles to give every SM work when the matrix allows (a multiple of the SM count when it
-is large). Rows come in multiples of 8, so a bf16 output tile starts 16-byte aligned. Head-structured
+is large). GEMV and expert-combine tiles take any rows (their templates finish outputs one element at a time; the
+op cases split rows unevenly on purpose), so that a stage spreads over every SM: 2304 rows in 132 tiles of at most 18
+rather than 96 of 24 (ROW_GRANULE); the other row tiles come in multiples of 8. Head-structured
 ops tile by heads (the KDA recurrence also by value rows of a head, whose state rows are independent),
 MLA decode by (request, KV chunk), routed experts by (routing slot, rows), row-wise reductions (norms,
 attention residual mix, argmax) by batch row, elementwise ops and collectives by column chunks.
@@ -36,7 +38,7 @@ MIN_TILE_BYTES = 32 * 1024  # below this a task's fixed costs (dispatch, event h
 # prologue, epilogue, release; cold code after another variant): tiles of up to 1 MB instead of 256 KB took the
 # bf16 K3 proxy's step from 13.2 to 11.5 ms (BENCHMARKS.md 2026-12-01, night), its work still spread over every SM.
 MAX_TILE_BYTES = 1024 * 1024
-ROW_GRANULE = 8  # output rows per tile come in multiples of 8: 16-byte aligned bf16 tiles
+ROW_GRANULE = 8  # rows per tile of the experts' and MLA's row tiles: multiples of 8 (16-byte aligned bf16 tiles)
 COLUMN_GRANULE = 64  # elementwise chunks: whole 128-byte lines of bf16
 ELEMENTWISE_BYTES = 16 * 1024  # output bytes per elementwise / collective task
 MIN_STATE_ROWS = 16  # KDA recurrence: fewest value rows of a head per task
@@ -178,7 +180,7 @@ def _gemv_rows(
     rows = ctx.shape(w0)[0]
     row_bytes = sum(ctx.tensor(node.inputs[w]).nbytes for w in weights) // rows
     parts = task_count(rows * row_bytes, ctx.num_sms)
-    tiles = split_heads(rows, parts, head) if head else split(rows, parts, ROW_GRANULE)
+    tiles = split_heads(rows, parts, head) if head else split(rows, parts)
     batch = ctx.shape(node.inputs[0])[0]
     in_features = ctx.tensor(w0).numel // rows
     out = node.outputs[0]
@@ -315,7 +317,7 @@ def _expert_combine(ctx: Context, node: Node) -> list[Task]:
     rows = ctx.shape(node.inputs[n + 1])[1]
     row_bytes = _expert_row_bytes(ctx, node, weights) * batch * k
     tasks = []
-    for r in split(rows, task_count(rows * row_bytes, ctx.num_sms), ROW_GRANULE):
+    for r in split(rows, task_count(rows * row_bytes, ctx.num_sms)):
         args = {w: sub(ctx.shape(node.inputs[w]), {1: r}) for w in weights}
         args.update({i: sub(ctx.shape(node.inputs[i]), {1: r}) for i in range(n)})
         out = sub(ctx.shape(node.outputs[0]), {1: r})

@@ -227,6 +227,33 @@ def test_tiles_fill_the_sms_of_a_large_target():
     assert tile_pass.MAX_TILE_BYTES >= max(t.weight_bytes for t in tg.tasks if t.node == lm_head.name)
 
 
+def test_gemv_and_combine_tiles_take_any_rows(monkeypatch):
+    """GEMV and expert-combine row tiles are not rounded to 8 rows (their templates finish outputs one element at a
+    time), so a stage spreads over every SM: Kimi Linear's 2304 rows on 132 SMs are 128 tiles of 18, not 96 of 24.
+    Here 256 rows on 12 SMs: 12 tiles of <= 22 (not 11 of 24), and the uneven tiles still compute the graph."""
+    monkeypatch.setattr(tile_pass, "MIN_TILE_BYTES", 64)  # every node large enough to take every SM
+    name, batch, num_sms = "kimi-linear-small", 2, 12
+    graph, _ = graph_of(name, batch, 1, True)
+    tg = tile(graph, Target.for_arch(CONFIGS[name](), num_sms=num_sms, max_tokens=batch, max_context=MAX_CONTEXT, dtype=torch.float32))
+    assert coverage_errors(tg) == []
+    rows: dict[str, list[int]] = {}
+    for t in tg.tasks:
+        if t.op is not None and t.op.name in ("linear_residual", "expert_linear_combine"):
+            (out,) = t.results
+            lo, hi = out.boxes[0][1]
+            rows.setdefault(t.op.name, []).append(hi - lo)
+    assert set(rows) == {"linear_residual", "expert_linear_combine"}
+    for kind, sizes in rows.items():
+        assert max(sizes) == 22 and sizes.count(22) == 11 * sizes.count(14), (kind, sizes)  # 11 x 22 + 14 per node
+    config = CONFIGS[name]()
+    weights = random_weights(config, 0, torch.float32)
+    values = step_values(captured(name, batch), 3, config.vocab_size)
+    expected = ranks.run(graph, {**weights, **values})
+    got = run_tasks(tg, values, weights)
+    for key, ref in expected.items():
+        assert (rel(got[key], ref) < 1e-6) if ref.is_floating_point() else torch.equal(got[key], ref), key
+
+
 def test_mla_decode_head_groups_are_8_heads_at_batch_1_and_16_above():
     # Kimi Linear's 32 heads, K3's 96, and a count that does not divide: contiguous groups, none over the batch's size
     for heads in (32, 96, 40):
