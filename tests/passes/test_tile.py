@@ -173,6 +173,17 @@ def run_tasks(tg: TaskGraph, values: dict[str, torch.Tensor], weights: dict[str,
     return out
 
 
+def assert_tasks_compute(tg: TaskGraph, name: str, batch: int, seed: int) -> None:
+    """The tasks of `tg`, run one by one, give what ir.ranks runs of its graph give, on random weights and inputs."""
+    config = CONFIGS[name]()
+    weights = random_weights(config, 0, torch.float32)
+    values = step_values(captured(name, batch), seed, config.vocab_size)
+    expected = ranks.run(tg.graph, {**weights, **values})
+    got = run_tasks(tg, values, weights)
+    for key, ref in expected.items():
+        assert (rel(got[key], ref) < 1e-6) if ref.is_floating_point() else torch.equal(got[key], ref), key
+
+
 @pytest.mark.parametrize("name, batch, tp, fused_", [("k3-tiny", 2, 1, False), ("k3-tiny", 2, 2, True), ("kimi-linear-small", 3, 1, True)])
 def test_running_the_tasks_computes_the_graph(name, batch, tp, fused_):
     graph, target = graph_of(name, batch, tp, fused_)
@@ -203,13 +214,7 @@ def test_an_add_of_several_rows_is_tiled_in_contiguous_pieces(monkeypatch):
     for t in adds:
         (out,) = t.results
         assert len(byte_runs(out.boxes[0], graph.tensors[out.tensor].shape, 1)) == 1, out.text()
-    config = CONFIGS[name]()
-    weights = random_weights(config, 0, torch.float32)
-    values = step_values(captured(name, batch), 2, config.vocab_size)
-    expected = ranks.run(graph, {**weights, **values})
-    got = run_tasks(tg, values, weights)
-    for key, ref in expected.items():
-        assert (rel(got[key], ref) < 1e-6) if ref.is_floating_point() else torch.equal(got[key], ref), key
+    assert_tasks_compute(tg, name, batch, seed=2)
 
 
 def test_tiles_fill_the_sms_of_a_large_target():
@@ -245,13 +250,7 @@ def test_gemv_and_combine_tiles_take_any_rows(monkeypatch):
     assert set(rows) == {"linear_residual", "expert_linear_combine"}
     for kind, sizes in rows.items():
         assert max(sizes) == 22 and sizes.count(22) == 11 * sizes.count(14), (kind, sizes)  # 11 x 22 + 14 per node
-    config = CONFIGS[name]()
-    weights = random_weights(config, 0, torch.float32)
-    values = step_values(captured(name, batch), 3, config.vocab_size)
-    expected = ranks.run(graph, {**weights, **values})
-    got = run_tasks(tg, values, weights)
-    for key, ref in expected.items():
-        assert (rel(got[key], ref) < 1e-6) if ref.is_floating_point() else torch.equal(got[key], ref), key
+    assert_tasks_compute(tg, name, batch, seed=3)
 
 
 def test_mla_decode_head_groups_are_8_heads_at_batch_1_and_16_above():
