@@ -80,9 +80,13 @@ def split(n: int, parts: int, granule: int = 1) -> list[tuple[int, int]]:
 
 
 def stage_rows(n: int, parts: int, num_sms: int) -> list[tuple[int, int]]:
-    """A GEMV's or expert combine's row tiles: `split` in multiples of ROW_GRANULE, or of any rows where the rounded
-    tiles give the stage's busiest SM (ceil(tiles / SMs) of the largest) UNROUNDED_GAIN times the rows."""
+    """A GEMV's or expert combine's row tiles: `split` in multiples of ROW_GRANULE, or of any rows where the node has
+    work for every SM and the rounded tiles give the stage's busiest SM (ceil(tiles / SMs) of the largest)
+    UNROUNDED_GAIN times the rows. A smaller node keeps its fewer, rounded tiles: more tasks of a few rows each cost
+    their fixed parts (the K3 proxy's 96-row KDA projections as 32 tiles of 3 rows instead of 12 of 8)."""
     rounded, fine = split(n, parts, ROW_GRANULE), split(n, parts)
+    if parts < num_sms:
+        return rounded
 
     def busiest(tiles: list[tuple[int, int]]) -> int:
         return math.ceil(len(tiles) / num_sms) * max(hi - lo for lo, hi in tiles)
