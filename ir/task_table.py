@@ -688,6 +688,9 @@ class TaskTable:
                 if kind.name == "kda_recurrence" and t.operands.get("value_count", 0) > (params.value_rows or params.head_dim):
                     raise TaskTableError(f"{where}: value_count {t.operands['value_count']} above its variant's value_rows "
                                          f"{params.value_rows or params.head_dim}: the template computes no more rows")
+                if kind.name == "gemv" and params.batch > 1 and t.operands.get("batch_stride", 0) != params.out_features:
+                    raise TaskTableError(f"{where}: batch_stride {t.operands.get('batch_stride', 0)} != out_features "
+                                         f"{params.out_features}: the batch rows of out lie out_features apart")
                 if kind.name == "mla_q_absorb":
                     c0, width = t.operands.get("column_begin", 0), params.columns or params.kv_lora_rank
                     if c0 % width or not 0 <= c0 < params.kv_lora_rank:

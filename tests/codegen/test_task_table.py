@@ -34,8 +34,8 @@ def small() -> TaskTable:
     return TaskTable(
         variants=[OpVariant("nop", NopParams()), gemv],
         lists=[
-            [Task(1, {"x": 0, "out": 256, "weight": 0, "norm_weight": 1, "row_begin": 0, "row_count": 24}, signal=0, label="a0")],
-            [Task(1, {"x": 0, "out": 256, "weight": 0, "norm_weight": 1, "row_begin": 24, "row_count": 24}, signal=0, label="a1"),
+            [Task(1, {"x": 0, "out": 256, "weight": 0, "norm_weight": 1, "row_begin": 0, "row_count": 24, "batch_stride": 48}, signal=0, label="a0")],
+            [Task(1, {"x": 0, "out": 256, "weight": 0, "norm_weight": 1, "row_begin": 24, "row_count": 24, "batch_stride": 48}, signal=0, label="a1"),
              Task(0, wait=(0,), label="join")],
         ],
         events=[Event("gemv")],
@@ -122,6 +122,16 @@ def test_validate_rejects_recurrence_rows_past_its_variant():
         else:
             with pytest.raises(TaskTableError, match="value_count 32 above its variant's value_rows 24"):
                 t.validate()
+
+
+def test_validate_rejects_a_batched_gemv_without_its_batch_stride():
+    """From batch 2 a gemv writes request b's rows at b * batch_stride: a task without it (or with another stride)
+    would write every request onto the first one's rows, so the table is refused."""
+    small().validate()  # 48, its out_features
+    for stride in (0, 24):
+        operands = {**small().lists[0][0].operands, "batch_stride": stride}
+        with pytest.raises(TaskTableError, match=f"batch_stride {stride} != out_features 48"):
+            _with_task(small(), 0, 0, operands=operands).validate()
 
 
 def test_validate_rejects_wait_without_signaller():
