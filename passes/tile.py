@@ -14,7 +14,8 @@ Every op kind in `ir.ops.OPS` has a rule in `RULES`; a kind without one is an er
 
 Sizing (prior art 5.4): a GEMV-like node is cut into row tiles that stream 32 KB - 1 MB of weights each,
 and into enough tiles to give every SM work when the matrix allows (a multiple of the SM count when it
-is large). Rows come in multiples of 8, so a bf16 output tile starts 16-byte aligned. Head-structured
+is large). Row tiles come in multiples of 8 rows (ROW_GRANULE), except a GEMV's or an expert combine's where that
+would leave the stage's busiest SM a quarter more rows than tiles of any rows (`stage_rows`). Head-structured
 ops tile by heads (the KDA recurrence also by value rows of a head, whose state rows are independent),
 MLA decode by (request, KV chunk), routed experts by (routing slot, rows), row-wise reductions (norms,
 attention residual mix, argmax) by batch row, elementwise ops and collectives by column chunks.
@@ -36,7 +37,11 @@ MIN_TILE_BYTES = 32 * 1024  # below this a task's fixed costs (dispatch, event h
 # prologue, epilogue, release; cold code after another variant): tiles of up to 1 MB instead of 256 KB took the
 # bf16 K3 proxy's step from 13.2 to 11.5 ms (BENCHMARKS.md 2026-12-01, night), its work still spread over every SM.
 MAX_TILE_BYTES = 1024 * 1024
-ROW_GRANULE = 8  # output rows per tile come in multiples of 8: 16-byte aligned bf16 tiles
+ROW_GRANULE = 8  # rows per tile come in multiples of 8 (16-byte aligned bf16 tiles, whole row groups from batch 4)
+# A GEMV's or combine's tiles take any rows where multiples of 8 would load the busiest SM this much more: Kimi Linear's
+# 2304 rows on 132 SMs are 96 tiles of 24 rounded (36 SMs idle in the stage) against 128 of 18 (-0.6 to -1.3% a step on
+# an H100, 2026-12-07); the K3 proxy's tiles (<= 14% more) stay rounded: any rows there cost 1.8% (b1) to 6% (b4).
+UNROUNDED_GAIN = 1.25
 COLUMN_GRANULE = 64  # elementwise chunks: whole 128-byte lines of bf16
 ELEMENTWISE_BYTES = 16 * 1024  # output bytes per elementwise / collective task
 MIN_STATE_ROWS = 16  # KDA recurrence: fewest value rows of a head per task
@@ -72,6 +77,21 @@ def split(n: int, parts: int, granule: int = 1) -> list[tuple[int, int]]:
     """[0, n) in equal pieces of a multiple of `granule` (the last may be shorter), at most `parts` of them."""
     size = max(granule, math.ceil(math.ceil(n / max(parts, 1)) / granule) * granule)
     return [(lo, min(n, lo + size)) for lo in range(0, n, size)]
+
+
+def stage_rows(n: int, parts: int, num_sms: int) -> list[tuple[int, int]]:
+    """A GEMV's or expert combine's row tiles: `split` in multiples of ROW_GRANULE, or of any rows where the node has
+    work for every SM and the rounded tiles give the stage's busiest SM (ceil(tiles / SMs) of the largest)
+    UNROUNDED_GAIN times the rows. A smaller node keeps its fewer, rounded tiles: more tasks of a few rows each cost
+    their fixed parts (the K3 proxy's 96-row KDA projections as 32 tiles of 3 rows instead of 12 of 8)."""
+    rounded, fine = split(n, parts, ROW_GRANULE), split(n, parts)
+    if parts < num_sms:
+        return rounded
+
+    def busiest(tiles: list[tuple[int, int]]) -> int:
+        return math.ceil(len(tiles) / num_sms) * max(hi - lo for lo, hi in tiles)
+
+    return fine if busiest(rounded) >= UNROUNDED_GAIN * busiest(fine) else rounded
 
 
 def split_heads(n: int, parts: int, head: int) -> list[tuple[int, int]]:
@@ -178,7 +198,7 @@ def _gemv_rows(
     rows = ctx.shape(w0)[0]
     row_bytes = sum(ctx.tensor(node.inputs[w]).nbytes for w in weights) // rows
     parts = task_count(rows * row_bytes, ctx.num_sms)
-    tiles = split_heads(rows, parts, head) if head else split(rows, parts, ROW_GRANULE)
+    tiles = split_heads(rows, parts, head) if head else stage_rows(rows, parts, ctx.num_sms)
     batch = ctx.shape(node.inputs[0])[0]
     in_features = ctx.tensor(w0).numel // rows
     out = node.outputs[0]
@@ -286,7 +306,9 @@ def _expert_slots(ctx: Context, node: Node) -> list[Task]:
     batch, k = ctx.shape(node.inputs[ids])
     rows = ctx.shape(node.inputs[1])[1]
     row_bytes = _expert_row_bytes(ctx, node, weights) * batch
-    per_slot = math.ceil(task_count(rows * row_bytes * k, ctx.num_sms) / k)
+    # rounded down: k * per_slot tasks never exceed the count that spreads evenly over the SMs (the K3 proxy's 16 slots
+    # of 264 / 16 -> 17 tiles were 272 tasks, 8 SMs streaming three where the rest stream two)
+    per_slot = max(1, task_count(rows * row_bytes * k, ctx.num_sms) // k)
     x_shape = ctx.shape(node.inputs[0])
     in_features = x_shape[-1]
     tasks = []
@@ -315,7 +337,7 @@ def _expert_combine(ctx: Context, node: Node) -> list[Task]:
     rows = ctx.shape(node.inputs[n + 1])[1]
     row_bytes = _expert_row_bytes(ctx, node, weights) * batch * k
     tasks = []
-    for r in split(rows, task_count(rows * row_bytes, ctx.num_sms), ROW_GRANULE):
+    for r in stage_rows(rows, task_count(rows * row_bytes, ctx.num_sms), ctx.num_sms):
         args = {w: sub(ctx.shape(node.inputs[w]), {1: r}) for w in weights}
         args.update({i: sub(ctx.shape(node.inputs[i]), {1: r}) for i in range(n)})
         out = sub(ctx.shape(node.outputs[0]), {1: r})

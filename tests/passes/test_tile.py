@@ -173,6 +173,17 @@ def run_tasks(tg: TaskGraph, values: dict[str, torch.Tensor], weights: dict[str,
     return out
 
 
+def assert_tasks_compute(tg: TaskGraph, name: str, batch: int, seed: int) -> None:
+    """The tasks of `tg`, run one by one, give what ir.ranks runs of its graph give, on random weights and inputs."""
+    config = CONFIGS[name]()
+    weights = random_weights(config, 0, torch.float32)
+    values = step_values(captured(name, batch), seed, config.vocab_size)
+    expected = ranks.run(tg.graph, {**weights, **values})
+    got = run_tasks(tg, values, weights)
+    for key, ref in expected.items():
+        assert (rel(got[key], ref) < 1e-6) if ref.is_floating_point() else torch.equal(got[key], ref), key
+
+
 @pytest.mark.parametrize("name, batch, tp, fused_", [("k3-tiny", 2, 1, False), ("k3-tiny", 2, 2, True), ("kimi-linear-small", 3, 1, True)])
 def test_running_the_tasks_computes_the_graph(name, batch, tp, fused_):
     graph, target = graph_of(name, batch, tp, fused_)
@@ -203,13 +214,7 @@ def test_an_add_of_several_rows_is_tiled_in_contiguous_pieces(monkeypatch):
     for t in adds:
         (out,) = t.results
         assert len(byte_runs(out.boxes[0], graph.tensors[out.tensor].shape, 1)) == 1, out.text()
-    config = CONFIGS[name]()
-    weights = random_weights(config, 0, torch.float32)
-    values = step_values(captured(name, batch), 2, config.vocab_size)
-    expected = ranks.run(graph, {**weights, **values})
-    got = run_tasks(tg, values, weights)
-    for key, ref in expected.items():
-        assert (rel(got[key], ref) < 1e-6) if ref.is_floating_point() else torch.equal(got[key], ref), key
+    assert_tasks_compute(tg, name, batch, seed=2)
 
 
 def test_tiles_fill_the_sms_of_a_large_target():
@@ -225,6 +230,30 @@ def test_tiles_fill_the_sms_of_a_large_target():
     kda = next(n for n in graph.nodes if n.op.name == "kda_recurrence")
     assert per_node[kda.name] == 4  # 4 heads, one SM each
     assert tile_pass.MAX_TILE_BYTES >= max(t.weight_bytes for t in tg.tasks if t.node == lm_head.name)
+
+
+@pytest.mark.parametrize("num_sms, tiles, rows", [(24, 24, 11), (12, 11, 24)])
+def test_gemv_and_combine_tiles_round_to_8_rows_unless_that_idles_sms(monkeypatch, num_sms, tiles, rows):
+    """A GEMV's and an expert combine's row tiles come in multiples of 8 rows unless that loads the stage's busiest SM
+    a quarter more than tiles of any rows (Kimi Linear's 2304 rows on 132 SMs: 128 tiles of 18, not 96 of 24). 256 rows
+    on 24 SMs: 24 tiles of <= 11 (rounded: 16 of 16); on 12 SMs 11 of 24 stay (any rows: 12 of 22, 9% less). The uneven
+    tiles compute the graph."""
+    monkeypatch.setattr(tile_pass, "MIN_TILE_BYTES", 64)  # every node large enough to take every SM
+    name, batch = "kimi-linear-small", 2
+    graph, _ = graph_of(name, batch, 1, True)
+    tg = tile(graph, Target.for_arch(CONFIGS[name](), num_sms=num_sms, max_tokens=batch, max_context=MAX_CONTEXT, dtype=torch.float32))
+    assert coverage_errors(tg) == []
+    sizes: dict[str, list[int]] = {}
+    kinds = set()
+    for t in tg.tasks:
+        if t.op is not None and t.op.name in ("linear_residual", "expert_linear_combine"):
+            (out,) = t.results
+            lo, hi = out.boxes[0][1]
+            sizes.setdefault(t.node, []).append(hi - lo)
+            kinds.add(t.op.name)
+    assert kinds == {"linear_residual", "expert_linear_combine"}
+    assert all(len(s) == tiles and max(s) == rows and sum(s) == 256 for s in sizes.values()), sizes
+    assert_tasks_compute(tg, name, batch, seed=3)
 
 
 def test_mla_decode_head_groups_are_8_heads_at_batch_1_and_16_above():
