@@ -32,6 +32,7 @@ from k3mk.ir.task_table import (
     ArgmaxParams,
     AttnResParams,
     EmbeddingParams,
+    ExpertCombineParams,
     GemvParams,
     KdaConvParams,
     KdaRecurrenceParams,
@@ -168,7 +169,7 @@ class CombineTuning:
     prefetch: bool = False  # each warp's next input comes in (cp.async) while it sums the current one (combine_prefetches)
 
 
-def combine_prefetches(p: object, slot_bytes: int, limit: int) -> bool:
+def combine_prefetches(p: ExpertCombineParams, slot_bytes: int, limit: int) -> bool:
     """Whether a grouped expert_combine (ir/streaming.py FillPlan.grouped: rounds of (request, slot) pairs, each warp
     staging its pair's input every round, an L2 round trip before the round's first MMA) copies the next round's input
     into a second buffer behind the current round's dots: where the buffer keeps the op's smem within `limit` (the
