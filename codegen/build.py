@@ -36,7 +36,7 @@ from k3mk import __version__ as K3MK_VERSION
 from k3mk.codegen import artifact_dir
 from k3mk.codegen.artifact_dir import cutlass_dsl_version
 from k3mk.codegen.emit import dynamic_smem_bytes, emit_source
-from k3mk.codegen.ops import KernelConfig, kernel_batch, ring_layout
+from k3mk.codegen.ops import KernelConfig, ring_layout
 from k3mk.ir import task_table as tt
 from k3mk.ir.task_table import RingModel, TaskTable
 from k3mk.runtime import abi, schema
@@ -136,7 +136,7 @@ def build(
     sm_count = sm_count or ARCHS[arch].sm_count
     if len(table.lists) > sm_count:
         raise BuildError(f"{len(table.lists)} task lists but the target has {sm_count} SMs (one CTA per SM)")
-    config = config.for_batch(kernel_batch(table.variants))
+    config = config.for_kernel(table.variants)
     encoded = table.encode(check=check)
     ring = ring_layout(table.variants, config)
     if check:  # the streaming loop's producers and rings as this kernel builds them
@@ -157,7 +157,7 @@ def write_artifact(out: Path, table: TaskTable, encoded: bytes, arch: str, sm_co
                    kernel: dict, info: dict, meta: dict, extra_files: dict[str, str | bytes]) -> Path:  # fmt: skip
     """Stage the artifact's files and its manifest (validated against k3mk/runtime/schema.py), then
     publish it at `out`. `kernel`: the compiled cubin and ptx (paths) and the source (text)."""
-    config = config.for_batch(kernel_batch(table.variants))  # the knobs the kernel was built with (build() resolved them)
+    config = config.for_kernel(table.variants)  # the knobs the kernel was built with (build() resolved them)
     with artifact_dir.staging(out) as staged:
         files = {"cubin": f"megakernel.{arch}.cubin", "task_table": "task_table.bin", "source": "megakernel.py", "ptx": f"megakernel.{arch}.ptx"}
         shutil.copyfile(kernel["cubin"], staged / files["cubin"])

@@ -20,7 +20,6 @@ from k3mk.codegen.ops import (
     gemv_partials_offset,
     gemv_rstd_offset,
     gemv_select_offset,
-    kernel_batch,
     ring_layout,
     router_select_spread,
     smem_bytes,
@@ -84,7 +83,7 @@ def shared_code(codes: list[VariantCode], sources: list[str]) -> list[int]:
 def emit_source(variants: list[OpVariant], config: KernelConfig = KernelConfig()) -> str:
     if not variants:
         raise ValueError("a kernel needs at least one op variant")
-    config = config.for_batch(kernel_batch(variants))
+    config = config.for_kernel(variants)
     x_limit = x_staging_limit(variants)
     codes: list[VariantCode] = [variant_code(i, v, config, x_limit) for i, v in enumerate(variants)]
     ring = ring_layout(variants, config)

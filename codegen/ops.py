@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from k3mk.ir.streaming import X_SMEM_BUDGET, X_STAGE_BYTES, FillPlan, StreamingError, fill_plan, gemv_row_mma_split
+from k3mk.ir.streaming import SLOT_BYTES, X_SMEM_BUDGET, X_STAGE_BYTES, FillPlan, StreamingError, fill_plan, gemv_row_mma_split
 from k3mk.ir.task_table import (
     MAX_ATTN_RES_SOURCES,
     OP_KINDS,
@@ -69,7 +69,7 @@ class KernelConfig:
     kernel_name: str = "k3mk_megakernel"
     # The streaming ring (docs/megakernel.md "The streaming task loop"): slots of `slot_bytes` in what the
     # op smem leaves (at most `ring_bytes`, 0: all of it); `records` task records forwarded ahead.
-    slot_bytes: int = 16 * 1024
+    slot_bytes: int = 0  # 0: by the kernel's fills (`fill_slot_bytes`, resolved by `for_kernel`)
     ring_bytes: int = 0
     records: int = 16
     # spans (a 16-byte vector per lane) per loop trip of the bf16 dot loops (0: by batch, `for_batch`, then `dot_unroll`)
@@ -107,6 +107,11 @@ class KernelConfig:
             support_registers=self.support_registers or (WIDE_SUPPORT_REGISTERS if wide else self.launch_registers),
             gemv_unroll=self.gemv_unroll or (2 if wide else 0),
         )
+
+    def for_kernel(self, variants: list[OpVariant]) -> KernelConfig:
+        """The knobs left at 0 set for the kernel of `variants`: by its batch (`for_batch`) and its fills (the slot size,
+        `fill_slot_bytes`)."""
+        return replace(self.for_batch(kernel_batch(variants)), slot_bytes=self.slot_bytes or fill_slot_bytes(variants))
 
     @property
     def warps(self) -> int:
@@ -200,6 +205,35 @@ def kernel_batch(variants: list[OpVariant]) -> int:
     return max((getattr(v.params, "batch", 1) for v in variants), default=1)
 
 
+SLOT_BYTES_MAX = 20 * 1024
+GATED_FILL_MIN = 0.75  # the share of a slot a routed gated expert's one-row fill must use (fill_slot_bytes)
+
+
+def fill_slot_bytes(variants: list[OpVariant]) -> int:
+    """The ring's slot size: SLOT_BYTES, unless the kernel's routed gated experts fill a slot with one whole row's gate
+    and up that uses less than GATED_FILL_MIN of it: then the bytes of the fewest whole rows that fill SLOT_BYTES, where
+    that is at most SLOT_BYTES_MAX. A ring of N slots holds N fills in flight, and the gated experts are most of a
+    batched step's bytes: Kimi Linear's 2304-wide rows (9,216 B, 56% of 16 KB) left its gated stage 83 KB in flight per
+    SM in a 147 KB ring; two rows a slot (18,432 B) fill it (BENCHMARKS.md 2026-12-07 night). The other models' gated
+    fills use 88-93% of 16 KB."""
+    for v in variants:
+        if v.op != "expert_gated":
+            continue
+        try:
+            plan = fill_plan(v.op, v.params, SLOT_BYTES)
+        except StreamingError:  # variant_code names it
+            continue
+        if plan is None or plan.chunks != 1 or plan.rows != 1:
+            continue
+        row = plan.fill_bytes(1, 0)
+        if row < GATED_FILL_MIN * SLOT_BYTES:
+            slot = -(-SLOT_BYTES // row) * row
+            slot = -(-slot // 128) * 128
+            if slot <= SLOT_BYTES_MAX:
+                return slot
+    return SLOT_BYTES
+
+
 def x_staging_limit(variants: list[OpVariant]) -> int:
     """The most a gemv stages of an input it could read from the arena: what the kernel's other ops already
     need of the op smem, or X_STAGE_BYTES. The op smem is every op's and its largest need decides how many
@@ -256,6 +290,7 @@ class RingLayout:
 def ring_layout(variants: list[OpVariant], config: KernelConfig = KernelConfig()) -> RingLayout:
     """The largest op need first, then as many slots as the rest holds (at most config.ring_bytes; a
     kernel whose ops do not stream gets the fewest slots, which leaves the L1 its share)."""
+    config = config if config.slot_bytes else replace(config, slot_bytes=fill_slot_bytes(variants))
     _require(config.slot_bytes % 128 == 0 and config.slot_bytes >= 1024, f"slot_bytes {config.slot_bytes} must be a multiple of 128 >= 1024")
     _require(config.records >= 2, f"records {config.records} < 2")
     x_limit = x_staging_limit(variants)
@@ -459,7 +494,8 @@ assert set(OP_CODEGEN) == set(OP_KINDS), "every op kind needs a template"
 
 
 def variant_code(index: int, variant: OpVariant, config: KernelConfig, x_limit: int = X_SMEM_BUDGET) -> VariantCode:
-    """`x_limit`: the kernel's x_staging_limit."""
+    """`x_limit`: the kernel's x_staging_limit; `config` resolved (`KernelConfig.for_kernel`)."""
+    _require(config.slot_bytes > 0, "variant_code needs the kernel's slot size: resolve the KernelConfig with for_kernel")
     gen = OP_CODEGEN[variant.op]
     gen.check(variant.params)
     tuning = None

@@ -54,7 +54,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-SLOT_BYTES = 16 * 1024  # default slot size (codegen/ops.py KernelConfig.slot_bytes)
+SLOT_BYTES = 16 * 1024  # the ring's slot size unless the fills want another (codegen/ops.py fill_slot_bytes)
 VECTOR_BYTES = 16  # every copy is a multiple of 16 bytes from a 16-byte aligned address
 LANE_ORDER_ELEMENTS = 32 * 8  # bf16: 32 lanes x one 16-byte vector: a span of the consumers' MMAs
 MXFP4_CHUNK_ELEMENTS = 32 * 32  # MXFP4 chunks (a row longer than a slot): 32 whole 32-code groups (8 spans)

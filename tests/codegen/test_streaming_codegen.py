@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from k3mk.codegen.emit import emit_source
-from k3mk.codegen.ops import MIN_RING_SLOTS, OP_SMEM_LIMIT, CodegenError, KernelConfig, ring_layout, router_select_spread
-from k3mk.ir.streaming import LANE_ORDER_ELEMENTS, MMA_ROWS, MXFP4_CHUNK_ELEMENTS, MXFP4_SPAN, VECTOR_BYTES, StreamingError, chunk_major, fill_plan, mma_code_row
+from k3mk.codegen.ops import MIN_RING_SLOTS, OP_SMEM_LIMIT, CodegenError, KernelConfig, fill_slot_bytes, ring_layout, router_select_spread, variant_code
+from k3mk.ir.streaming import LANE_ORDER_ELEMENTS, SLOT_BYTES, MMA_ROWS, MXFP4_CHUNK_ELEMENTS, MXFP4_SPAN, VECTOR_BYTES, StreamingError, chunk_major, fill_plan, mma_code_row
 from k3mk.ir.task_table import ExpertCombineParams, ExpertGatedParams, GemvParams, MlaDecodeParams, NopParams, OpVariant
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
@@ -326,12 +326,37 @@ def test_ring_layout():
     assert ring.total <= OP_SMEM_LIMIT
     assert layout_total(ring, ring.slots + 1) > OP_SMEM_LIMIT  # as many slots as fit
     capped = ring_layout(VARIANTS, KernelConfig(ring_bytes=64 * 1024))
-    assert capped.slots == 4
+    assert capped.slot_bytes == ring.slot_bytes == fill_slot_bytes(VARIANTS) and capped.slots == 64 * 1024 // capped.slot_bytes
     # a kernel of ops that do not stream keeps the fewest slots: the L1 keeps its share of the SM's memory
     assert ring_layout([OpVariant("nop", NopParams())]).slots == MIN_RING_SLOTS
     big = OpVariant("gemv", GemvParams(32768, 64, 1, rmsnorm=True))  # 64 KB of staged input
     with pytest.raises(CodegenError, match="ring slots"):
         ring_layout([big] + VARIANTS[:1], KernelConfig(slot_bytes=96 * 1024))
+
+
+def test_slot_size_fits_the_gated_experts_rows():
+    """A ring of N slots holds N fills in flight: where a routed gated expert's fill (one row's gate and up) would
+    use under 3/4 of a 16 KB slot, the slot holds the fewest whole rows that fill 16 KB (up to 20 KB), and a gated fill
+    then uses all of it; other kernels keep 16 KB; an explicit slot_bytes wins."""
+    kimi = [OpVariant("expert_gated", ExpertGatedParams(2304, 1024, 256, b, 8)) for b in (1, 8)]
+    for v in kimi:  # 2 x 2304 x 2 = 9,216 B a row: 56% of 16 KB
+        slot = fill_slot_bytes([v])
+        assert slot == 2 * 9216
+        plan = fill_plan(v.op, v.params, slot)
+        assert plan.rows == 2 and plan.fill_bytes(2, 0) == slot
+        config = KernelConfig().for_kernel(VARIANTS[:3] + [v])
+        assert config.slot_bytes == slot and ring_layout(VARIANTS[:3] + [v]).slot_bytes == slot
+    bf16_proxy = OpVariant("expert_gated", ExpertGatedParams(3584, 3072, 64, 8, 16, activation="situ"))  # 14,336 B: 88%
+    k3 = OpVariant("expert_gated", ExpertGatedParams(3584, 3072, 896, 1, 16, "mxfp4", "situ"))  # 4 rows, 93%
+    wide = OpVariant("expert_gated", ExpertGatedParams(5120, 1024, 64, 1, 8))  # 20,480 B rows: chunked, not one row
+    for v in (bf16_proxy, k3, wide):
+        assert fill_slot_bytes(VARIANTS[:3] + [v]) == SLOT_BYTES
+    assert fill_slot_bytes([OpVariant("expert_gated", ExpertGatedParams(1536, 512, 64, 1, 8))]) == SLOT_BYTES  # 6 KB rows: 75%
+    assert fill_slot_bytes([OpVariant("expert_gated", ExpertGatedParams(2688, 512, 64, 1, 8))]) == SLOT_BYTES  # 2 rows: 21,504 B > 20 KB
+    assert KernelConfig(slot_bytes=16 * 1024).for_kernel(kimi).slot_bytes == 16 * 1024
+    assert ring_layout(kimi, KernelConfig(slot_bytes=16 * 1024)).slot_bytes == 16 * 1024
+    with pytest.raises(CodegenError, match="for_kernel"):
+        variant_code(0, kimi[0], KernelConfig())
 
 
 def test_wide_input_does_not_take_the_ring():
@@ -367,7 +392,7 @@ def test_a_grouped_combine_prefetches_its_next_input_within_the_staging_limit():
     not where requests seldom share experts (batch 4: each (request, slot) streams its own expert)."""
     from k3mk.codegen.ops import X_STAGE_BYTES, CombineTuning, _op_smem, combine_prefetches, variant_code, x_staging_limit
 
-    slot = KernelConfig().slot_bytes
+    slot = SLOT_BYTES
     combine = OpVariant("expert_combine", ExpertCombineParams(1024, 2304, 256, 8, 8, residuals=2))
     normed = OpVariant("gemv", GemvParams(2304, 4096, 8, rmsnorm=True))
     assert fill_plan("expert_combine", combine.params, slot).grouped
@@ -375,7 +400,7 @@ def test_a_grouped_combine_prefetches_its_next_input_within_the_staging_limit():
     assert buffered - base == 8 * 1024 * 2  # every warp's next input, bf16
     limit = x_staging_limit([combine, normed])
     assert limit == max(X_STAGE_BYTES, _op_smem(normed)) and combine_prefetches(combine.params, slot, limit)
-    assert variant_code(0, combine, KernelConfig(), limit).tuning == CombineTuning(prefetch=True)
+    assert variant_code(0, combine, KernelConfig().for_kernel([combine, normed]), limit).tuning == CombineTuning(prefetch=True)
     assert ring_layout([combine, normed]).op_bytes == max(buffered, _op_smem(normed))
     assert not combine_prefetches(combine.params, slot, buffered - 16)  # past the limit
     assert not combine_prefetches(combine.params, 0, X_STAGE_BYTES)  # x_staging_limit's own sizes: none
@@ -511,6 +536,7 @@ def test_kda_conv_producer_prefetches_what_the_body_reads(batch, width, channels
     assert f"cutlass.range(lane, {rows + 3}, 32)" in produce  # one lane per state row, then one per q, k, v taps
     from k3mk.codegen.ops import variant_code
 
-    code = variant_code(0, OpVariant("kda_conv", KdaConvParams(channels, batch, width)), KernelConfig())
+    conv = OpVariant("kda_conv", KdaConvParams(channels, batch, width))
+    code = variant_code(0, conv, KernelConfig().for_kernel([conv]))
     assert [code.operand(w) for w in ("weight_q", "weight_k", "weight_v")] == [code.operand("weight_q") + g for g in range(3)]
     assert f"task[{code.operand('weight_q')} + i - {rows}]" in produce
