@@ -103,13 +103,13 @@ def _check_expert_combine(p: ExpertCombineParams) -> None:
     _require(_expert_combine_smem(p) <= X_SMEM_BUDGET, f"expert_combine smem {_expert_combine_smem(p)} B > {X_SMEM_BUDGET} B")
 
 
-def _expert_combine_smem(p: ExpertCombineParams) -> int:
-    # each warp's slot input (one slot per warp and round, not all top_k: the op smem is every op's), then
-    # bf16(dot) per slot of one batch of row groups (at most max(BATCH_ROWS, a group's rows <=
-    # ACCUMULATOR_BUDGET)) in fp32
+def _expert_combine_smem(p: ExpertCombineParams, prefetch: bool = False) -> int:
+    # each warp's slot input (one slot per warp and round, not all top_k: the op smem is every op's), with `prefetch`
+    # (codegen/ops.py combine_prefetches) each warp's next input as read (bf16) behind it, then bf16(dot) per slot of
+    # one batch of row groups (at most max(BATCH_ROWS, a group's rows <= ACCUMULATOR_BUDGET)) in fp32
     # (batch > 1, grouped: the terms of every request's slots, a batch of COMBINE_BATCH_ROWS * 4 // batch rows, and
     # the pairs sorted by expert with each round's first fill, expert_combine.py.j2)
-    x = THREADS // 32 * _staged_features(p.weight_format, p.in_features) * 2
+    x = THREADS // 32 * (_staged_features(p.weight_format, p.in_features) + (p.in_features if prefetch else 0)) * 2
     if p.batch == 1:
         return x + p.top_k * max(COMBINE_BATCH_ROWS, ACCUMULATOR_BUDGET) * 4
     pairs = p.batch * p.top_k
