@@ -175,15 +175,14 @@ class CombineTuning:
 
 
 def combine_prefetches(p: ExpertCombineParams, slot_bytes: int, limit: int) -> bool:
-    """Whether a grouped expert_combine (ir/streaming.py FillPlan.grouped: rounds of (request, slot) pairs, each warp
-    staging its pair's input every round, an L2 round trip before the round's first MMA) copies the next round's input
-    into a second buffer behind the current round's dots: where the buffer keeps the op's smem within `limit` (the
-    kernel's x_staging_limit: what its other ops need, or X_STAGE_BYTES, as a gemv's staged input). `slot_bytes` 0:
-    the ring is not laid out yet (x_staging_limit's own sizes)."""
-    if not slot_bytes:
+    """Whether an expert_combine whose warps stage more than one input a task (batch > 1, or more slots than warps:
+    rounds of (request, slot) pairs, each staging an L2 round trip before the round's first MMA) copies each warp's
+    next input into a second buffer behind the current round's dots: where the buffer keeps the op's smem within `limit`
+    (the kernel's x_staging_limit: what its other ops need, or X_STAGE_BYTES, as a gemv's staged input). `slot_bytes`
+    0: the ring is not laid out yet (x_staging_limit's own sizes)."""
+    if not slot_bytes or (p.batch == 1 and p.top_k <= KernelConfig().warps):
         return False
-    plan = fill_plan("expert_combine", p, slot_bytes)
-    return plan is not None and plan.grouped and OP_CODEGEN["expert_combine"].smem_bytes(p, True) <= limit
+    return fill_plan("expert_combine", p, slot_bytes) is not None and OP_CODEGEN["expert_combine"].smem_bytes(p, True) <= limit
 
 
 def _x_needs_smem(p: GemvParams) -> bool:

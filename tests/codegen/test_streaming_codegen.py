@@ -384,32 +384,32 @@ def test_wide_input_does_not_take_the_ring():
     assert gemv_tuning(k3_down.params, KernelConfig(), x_staging_limit([wide, k3_down])).x_smem
 
 
-def test_a_grouped_combine_prefetches_its_next_input_within_the_staging_limit():
-    """A grouped expert_combine (batch > 1, requests sharing experts: rounds of (request, slot) pairs) copies each
+def test_a_combine_prefetches_its_next_input_within_the_staging_limit():
+    """An expert_combine whose warps stage more than one input a task (batch > 1, or more slots than warps) copies each
     warp's next input into a second buffer while it sums the current one, where its smem stays within the kernel's
-    staging limit (x_staging_limit: what the other ops need, or X_STAGE_BYTES, as a gemv's staged input): Kimi Linear's
-    batch-8 combine beside its rmsnorm gemvs, 16 KB more (8 warps' 1024-wide inputs); not past the limit, not at batch 1,
-    not where requests seldom share experts (batch 4: each (request, slot) streams its own expert)."""
+    staging limit (x_staging_limit: what the other ops need, or X_STAGE_BYTES, as a gemv's staged input): Kimi
+    Linear's combine at batch 8 (grouped) and 4 (not: requests seldom share experts) beside its rmsnorm gemvs, 16 KB
+    more (8 warps' 1024-wide inputs); at batch 1 only with more slots than warps; never past the limit."""
     from k3mk.codegen.ops import X_STAGE_BYTES, CombineTuning, _op_smem, combine_prefetches, variant_code, x_staging_limit
 
     slot = SLOT_BYTES
-    combine = OpVariant("expert_combine", ExpertCombineParams(1024, 2304, 256, 8, 8, residuals=2))
-    normed = OpVariant("gemv", GemvParams(2304, 4096, 8, rmsnorm=True))
-    assert fill_plan("expert_combine", combine.params, slot).grouped
-    base, buffered = _op_smem(combine), _op_smem(combine, X_STAGE_BYTES, slot)
-    assert buffered - base == 8 * 1024 * 2  # every warp's next input, bf16
-    limit = x_staging_limit([combine, normed])
-    assert limit == max(X_STAGE_BYTES, _op_smem(normed)) and combine_prefetches(combine.params, slot, limit)
-    assert variant_code(0, combine, KernelConfig().for_kernel([combine, normed]), limit).tuning == CombineTuning(prefetch=True)
-    assert ring_layout([combine, normed]).op_bytes == max(buffered, _op_smem(normed))
-    assert not combine_prefetches(combine.params, slot, buffered - 16)  # past the limit
-    assert not combine_prefetches(combine.params, 0, X_STAGE_BYTES)  # x_staging_limit's own sizes: none
-    source = emit_source([combine, normed])
-    assert "cp_async_wait_group(0)" in source and "sRaw" in source
-    for batch in (1, 4):
-        params = ExpertCombineParams(1024, 2304, 256, batch, 8, residuals=2)
-        assert not fill_plan("expert_combine", params, slot).grouped and not combine_prefetches(params, slot, X_STAGE_BYTES)
-        assert "sRaw" not in emit_source([OpVariant("expert_combine", params)])
+    for batch, grouped in ((8, True), (4, False)):
+        combine = OpVariant("expert_combine", ExpertCombineParams(1024, 2304, 256, batch, 8, residuals=2))
+        normed = OpVariant("gemv", GemvParams(2304, 4096, batch, rmsnorm=True))
+        assert fill_plan("expert_combine", combine.params, slot).grouped == grouped
+        base, buffered = _op_smem(combine), _op_smem(combine, X_STAGE_BYTES, slot)
+        assert buffered - base == 8 * 1024 * 2  # every warp's next input, bf16
+        limit = x_staging_limit([combine, normed])
+        assert limit == max(X_STAGE_BYTES, _op_smem(normed)) and combine_prefetches(combine.params, slot, limit)
+        assert variant_code(0, combine, KernelConfig().for_kernel([combine, normed]), limit).tuning == CombineTuning(prefetch=True)
+        assert ring_layout([combine, normed]).op_bytes == max(buffered, _op_smem(normed))
+        assert not combine_prefetches(combine.params, slot, buffered - 16)  # past the limit
+        assert not combine_prefetches(combine.params, 0, X_STAGE_BYTES)  # x_staging_limit's own sizes: none
+        source = emit_source([combine, normed])
+        assert "cp_async_wait_group(0)" in source and "sRaw" in source
+    assert not combine_prefetches(ExpertCombineParams(1024, 2304, 256, 1, 8), slot, X_STAGE_BYTES)  # one input a task
+    assert combine_prefetches(ExpertCombineParams(1024, 2304, 256, 1, 12), slot, X_STAGE_BYTES)  # two rounds of slots
+    assert "sRaw" not in emit_source([OpVariant("expert_combine", ExpertCombineParams(1024, 2304, 256, 1, 8, residuals=2))])
 
 
 def layout_total(ring, slots: int) -> int:

@@ -371,6 +371,12 @@ def moe_mla_cases() -> list[MoeMlaCase]:
         expert_combine_case("expert_combine_bf16_b4_same", 4, 264, 520, 7, 3, "bfloat16", row_tiles=5, ctas=4, same_experts=True),
         expert_combine_case("expert_combine_bf16_residuals_b4_k12", 4, 264, 520, 20, 12, "bfloat16", row_tiles=5, ctas=4, residuals=2),
         expert_combine_case("expert_combine_mxfp4_b8_same", 8, 224, 144, 9, 4, "mxfp4", row_tiles=4, ctas=4, same_experts=True),
+        # requests that seldom share experts (96 of them, 12 slots: not grouped), each warp prefetching its next input
+        # (codegen/ops.py combine_prefetches): the next round's slot (the second round holds 4 of the 8 warps), the next
+        # batch of row groups', the next request's; and at batch 1 with more slots than warps
+        expert_combine_case("expert_combine_bf16_b2_spread", 2, 264, 520, 96, 12, "bfloat16", row_tiles=2, ctas=2, residuals=1),
+        expert_combine_case("expert_combine_mxfp4_b2_spread", 2, 224, 272, 96, 12, "mxfp4", row_tiles=2, ctas=2),
+        expert_combine_case("expert_combine_bf16_b1_k12", 1, 264, 520, 20, 12, "bfloat16", row_tiles=3, ctas=3),
         expert_combine_case("expert_combine_mxfp4_residual_b1", 1, 224, 272, 9, 4, "mxfp4", row_tiles=3, ctas=3, residuals=1),
         # 16 tokens (--max-tokens 16): the router, both expert kinds in both formats (64 routing pairs), MLA decode
         router_case("router_b16_norm", 16, 1032, 264, 8, norm=True, renormalize=True, scaling=1.0),
