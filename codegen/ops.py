@@ -174,15 +174,16 @@ class CombineTuning:
     prefetch: bool = False  # each warp's next input comes in (cp.async) while it sums the current one (combine_prefetches)
 
 
-def combine_prefetches(p: ExpertCombineParams, slot_bytes: int, limit: int) -> bool:
-    """Whether an expert_combine whose warps stage more than one input a task (batch > 1, or more slots than warps:
-    rounds of (request, slot) pairs, each staging an L2 round trip before the round's first MMA) copies each warp's
-    next input into a second buffer behind the current round's dots: where the buffer keeps the op's smem within `limit`
-    (the kernel's x_staging_limit: what its other ops need, or X_STAGE_BYTES, as a gemv's staged input). `slot_bytes`
-    0: the ring is not laid out yet (x_staging_limit's own sizes)."""
-    if not slot_bytes or (p.batch == 1 and p.top_k <= KernelConfig().warps):
+def combine_prefetches(p: ExpertCombineParams, config: KernelConfig | None, limit: int) -> bool:
+    """Whether an expert_combine whose warps stage more than one input a task (batch > 1, or more slots than the
+    kernel's consumer warps: rounds of (request, slot) pairs, each staging an L2 round trip before the round's first
+    MMA) copies each warp's next input into a second buffer behind the current round's dots: where the buffer keeps the
+    op's smem within `limit` (the kernel's x_staging_limit: what its other ops need, or X_STAGE_BYTES, as a gemv's
+    staged input). `config`: the kernel's, resolved (`for_kernel`); None: the ring is not laid out yet
+    (x_staging_limit's own sizes)."""
+    if config is None or (p.batch == 1 and p.top_k <= config.warps):
         return False
-    return fill_plan("expert_combine", p, slot_bytes) is not None and OP_CODEGEN["expert_combine"].smem_bytes(p, True) <= limit
+    return fill_plan("expert_combine", p, config.slot_bytes) is not None and OP_CODEGEN["expert_combine"].smem_bytes(p, True) <= limit
 
 
 def _x_needs_smem(p: GemvParams) -> bool:
@@ -289,11 +290,11 @@ class RingLayout:
 def ring_layout(variants: list[OpVariant], config: KernelConfig = KernelConfig()) -> RingLayout:
     """The largest op need first, then as many slots as the rest holds (at most config.ring_bytes; a
     kernel whose ops do not stream gets the fewest slots, which leaves the L1 its share)."""
-    config = config if config.slot_bytes else replace(config, slot_bytes=fill_slot_bytes(variants))
+    config = config.for_kernel(variants)
     _require(config.slot_bytes % 128 == 0 and config.slot_bytes >= 1024, f"slot_bytes {config.slot_bytes} must be a multiple of 128 >= 1024")
     _require(config.records >= 2, f"records {config.records} < 2")
     x_limit = x_staging_limit(variants)
-    op_bytes = max([_op_smem(v, x_limit, config.slot_bytes) for v in variants] + [16])
+    op_bytes = max([_op_smem(v, x_limit, config) for v in variants] + [16])
     streaming = any(fill_plan(v.op, v.params, config.slot_bytes) is not None for v in variants)
     slots = (config.ring_bytes or OP_SMEM_LIMIT) // config.slot_bytes if streaming else MIN_RING_SLOTS
     while slots > 0 and RingLayout(op_bytes, config.slot_bytes, slots, config.records, config.profile).total > OP_SMEM_LIMIT:
@@ -501,7 +502,7 @@ def variant_code(index: int, variant: OpVariant, config: KernelConfig, x_limit: 
     if variant.op == "gemv":
         tuning = gemv_tuning(variant.params, config, x_limit)
     elif variant.op == "expert_combine":
-        tuning = CombineTuning(combine_prefetches(variant.params, config.slot_bytes, x_limit))
+        tuning = CombineTuning(combine_prefetches(variant.params, config, x_limit))
     try:
         plan = fill_plan(variant.op, variant.params, config.slot_bytes)
     except StreamingError as e:
@@ -515,13 +516,13 @@ def variant_code(index: int, variant: OpVariant, config: KernelConfig, x_limit: 
     return VariantCode(index, variant.op, variant.params, f"op{index}_{variant.op}", gen.produce or plan is not None, tuning, plan, gen.sync)
 
 
-def _op_smem(variant: OpVariant, x_limit: int = X_SMEM_BUDGET, slot_bytes: int = 0) -> int:
-    """`x_limit` and `slot_bytes`: the kernel's staging limit and ring slot (0: the ops' needs before the optional
+def _op_smem(variant: OpVariant, x_limit: int = X_SMEM_BUDGET, config: KernelConfig | None = None) -> int:
+    """`x_limit` and `config`: the kernel's staging limit and resolved config (None: the ops' needs before the optional
     stagings, x_staging_limit's)."""
     if variant.op == "gemv":
         return _gemv_op_smem(variant.params, x_limit)
     if variant.op == "expert_combine":
-        return OP_CODEGEN["expert_combine"].smem_bytes(variant.params, combine_prefetches(variant.params, slot_bytes, x_limit))
+        return OP_CODEGEN["expert_combine"].smem_bytes(variant.params, combine_prefetches(variant.params, config, x_limit))
     return OP_CODEGEN[variant.op].smem_bytes(variant.params)
 
 

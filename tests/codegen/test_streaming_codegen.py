@@ -397,18 +397,21 @@ def test_a_combine_prefetches_its_next_input_within_the_staging_limit():
         combine = OpVariant("expert_combine", ExpertCombineParams(1024, 2304, 256, batch, 8, residuals=2))
         normed = OpVariant("gemv", GemvParams(2304, 4096, batch, rmsnorm=True))
         assert fill_plan("expert_combine", combine.params, slot).grouped == grouped
-        base, buffered = _op_smem(combine), _op_smem(combine, X_STAGE_BYTES, slot)
+        config = KernelConfig(slot_bytes=slot)
+        base, buffered = _op_smem(combine), _op_smem(combine, X_STAGE_BYTES, config)
         assert buffered - base == 8 * 1024 * 2  # every warp's next input, bf16
         limit = x_staging_limit([combine, normed])
-        assert limit == max(X_STAGE_BYTES, _op_smem(normed)) and combine_prefetches(combine.params, slot, limit)
+        assert limit == max(X_STAGE_BYTES, _op_smem(normed)) and combine_prefetches(combine.params, config, limit)
         assert variant_code(0, combine, KernelConfig().for_kernel([combine, normed]), limit).tuning == CombineTuning(prefetch=True)
         assert ring_layout([combine, normed]).op_bytes == max(buffered, _op_smem(normed))
-        assert not combine_prefetches(combine.params, slot, buffered - 16)  # past the limit
-        assert not combine_prefetches(combine.params, 0, X_STAGE_BYTES)  # x_staging_limit's own sizes: none
+        assert not combine_prefetches(combine.params, config, buffered - 16)  # past the limit
+        assert not combine_prefetches(combine.params, None, X_STAGE_BYTES)  # x_staging_limit's own sizes: none
         source = emit_source([combine, normed])
         assert "cp_async_wait_group(0)" in source and "sRaw" in source
-    assert not combine_prefetches(ExpertCombineParams(1024, 2304, 256, 1, 8), slot, X_STAGE_BYTES)  # one input a task
-    assert combine_prefetches(ExpertCombineParams(1024, 2304, 256, 1, 12), slot, X_STAGE_BYTES)  # two rounds of slots
+    one_round = ExpertCombineParams(1024, 2304, 256, 1, 8)
+    assert not combine_prefetches(one_round, KernelConfig(slot_bytes=slot), X_STAGE_BYTES)  # one input a task
+    assert combine_prefetches(ExpertCombineParams(1024, 2304, 256, 1, 12), KernelConfig(slot_bytes=slot), X_STAGE_BYTES)  # two rounds of slots
+    assert combine_prefetches(one_round, KernelConfig(slot_bytes=slot, threads=128), X_STAGE_BYTES)  # 4 consumer warps: two rounds
     assert "sRaw" not in emit_source([OpVariant("expert_combine", ExpertCombineParams(1024, 2304, 256, 1, 8, residuals=2))])
 
 
