@@ -36,11 +36,19 @@ from pathlib import Path
 
 import numpy as np
 
+from k3mk.codegen.ops import SUPPORT_WARPS, WARPGROUP
 from k3mk.ir.replay import EngineCosts, Replay, mla_chunk_rows, replay, streamed_plans
 from k3mk.ir.streaming import RingModel
 from k3mk.ir.task_table import TaskTable
 
 FILL_LATENCIES = (0.75e-6, 1.0e-6, 1.5e-6, 2.0e-6, 3.0e-6, 4.0e-6, 5.0e-6, 6.0e-6)
+
+
+def consumer_warps(block_threads: int) -> int:
+    """The block's warps less the support warps (codegen/ops.py KernelConfig.block_threads): SUPPORT_WARPS, or a whole
+    warpgroup where the consumers take its registers (the consumer threads are whole warpgroups)."""
+    warps = block_threads // 32
+    return warps - (WARPGROUP if warps % WARPGROUP == 0 else SUPPORT_WARPS)
 
 
 @dataclass
@@ -56,7 +64,7 @@ class Build:
         manifest = json.loads((artifact / "manifest.json").read_text())
         table = TaskTable.decode((artifact / manifest["files"]["task_table"]).read_bytes())
         r = manifest["ring"]
-        ring = RingModel(r["slots"], r["records"], manifest["block_threads"] // 32 - 1, r["slot_bytes"])
+        ring = RingModel(r["slots"], r["records"], consumer_warps(manifest["block_threads"]), r["slot_bytes"])
         path = artifact / "task_bytes.json"
         if not path.exists():
             raise SystemExit(f"{artifact}: no task_bytes.json (built before every build wrote it: recompile it)")

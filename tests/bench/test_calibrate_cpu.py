@@ -56,3 +56,13 @@ def test_the_fit_recovers_the_constants_of_its_records(build):
     assert costs.consume["bfloat16"] == pytest.approx(truth.consume["bfloat16"], rel=1e-2)
     assert costs.fill_latency == truth.fill_latency
     assert build.replay(costs).step_s == pytest.approx(r.step_s, rel=1e-3)
+
+
+def test_a_manifests_block_gives_its_consumer_warps():
+    """A build's block is its consumer warps and the support warps (the producer, waiter and signaller), or a whole
+    support warpgroup where the consumers take its registers (codegen/ops.py KernelConfig.block_threads)."""
+    from k3mk.bench.calibrate import consumer_warps
+    from k3mk.codegen.ops import KernelConfig
+
+    for config in (KernelConfig().for_batch(1), KernelConfig().for_batch(8), KernelConfig(threads=128).for_batch(1), KernelConfig(threads=384).for_batch(1)):
+        assert consumer_warps(config.block_threads) == config.warps
